@@ -1,0 +1,119 @@
+"""Leaf vocabulary of the runtime: frozen values passed between layers.
+
+Imports nothing of ours and nothing of MLX, so the HTTP side can build these
+without touching arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+
+
+def _empty_bias() -> Mapping[int, float]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token. temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0.0 = off
+    repetition_penalty: float = 1.0  # HF semantics, over prompt + generated tokens
+    presence_penalty: float = 0.0  # OpenAI semantics, over generated tokens
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=_empty_bias)
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation, as the engine sees it: tokens in, token events out."""
+
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
+    prefill_chunk: int | None = None  # None = the engine's default
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS token or stop string
+    LENGTH = "length"  # max_tokens or context limit
+    CANCELLED = "cancelled"  # the client went away
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str  # the token's own text (may hold a partial UTF-8 sequence as U+FFFD)
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New text for the client, already cleared of stop strings and broken UTF-8."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    peak_memory_bytes: int = 0
+
+    @property
+    def prefill_tps(self) -> float:
+        computed = self.prompt_tokens - self.cached_tokens
+        return computed / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # the first token comes out of prefill; decode speed counts the rest
+        n = max(self.completion_tokens - 1, 0)
+        return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: FinishReason
+    stats: GenerationStats
+    error: str | None = None
+
+
+GenerationEvent = TextDelta | Finished

@@ -1,0 +1,7 @@
+"""Test-wide setup: the optimized BLAS must be loaded before anything imports mlx."""
+
+from __future__ import annotations
+
+from runtime import backend
+
+backend.configure()
