@@ -1,0 +1,67 @@
+"""`mlx-gateway run`: an interactive streaming chat in the terminal, no HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gateway.serving import EngineSettings, build_served
+from runtime.types import Finished, GenerationRequest, SamplingParams, TextDelta
+from templates.types import Message, RenderOptions
+
+
+def _answer(served: object, history: list[Message], args: argparse.Namespace) -> str:
+    from gateway.served import ServedModel
+
+    assert isinstance(served, ServedModel)
+    if served.renderer is None:
+        raise SystemExit(f"error: {served.id} has no chat template; use the HTTP completions API")
+    text = served.renderer.render(tuple(history), (), RenderOptions())
+    tokens = served.loaded.tokenizer.encode_prompt(text)
+    max_tokens = served.check_fits(len(tokens), None)
+    request = GenerationRequest(
+        tuple(tokens),
+        min(args.max_tokens, max_tokens),
+        SamplingParams(temperature=args.temperature),
+    )
+    out: list[str] = []
+    for event in served.engine.submit(request):
+        if isinstance(event, TextDelta):
+            out.append(event.text)
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, Finished) and event.error:
+            print(f"\nerror: {event.error}", file=sys.stderr)
+    sys.stdout.write("\n")
+    return "".join(out)
+
+
+def run_chat(path: Path, model_id: str, args: argparse.Namespace) -> int:
+    settings = EngineSettings(prefill_chunk=args.prefill_chunk, max_queue=args.max_queue)
+    served = build_served(path, model_id=model_id, settings=settings)
+    served.engine.start()
+    history: list[Message] = []
+    if args.system:
+        history.append(Message(role="system", content=args.system))
+    try:
+        if args.prompt is not None:
+            history.append(Message(role="user", content=args.prompt))
+            _answer(served, history, args)
+            return 0
+        print(f"chatting with {model_id}; empty line or Ctrl-D to quit", file=sys.stderr)
+        while True:
+            try:
+                line = input(">>> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            history.append(Message(role="user", content=line))
+            reply = _answer(served, history, args)
+            history.append(Message(role="assistant", content=reply))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        served.engine.stop()
+    return 0

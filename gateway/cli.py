@@ -1,0 +1,127 @@
+"""The `mlx-gateway` command: serve, pull, list, run."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m"
+ENV_PREFIX = "MLX_GATEWAY_"
+
+
+def connectable_host(host: str) -> str:
+    """The address a client on this machine should dial for a bind address."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host in ("::", "[::]"):
+        return "[::1]"
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]"
+    return host
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(ENV_PREFIX + name, default)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx-gateway", description="Local LLM API server on MLX")
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    s.add_argument("--model", default=_env("MODEL", DEFAULT_MODEL), help="alias or path")
+    s.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    s.add_argument("--port", type=int, default=int(_env("PORT", "8000")))
+    s.add_argument("--model-id", default=None, help="name clients use (default: alias or file name)")
+    _engine_args(s)
+
+    pull = sub.add_parser("pull", help="download a model into the store")
+    pull.add_argument("model")
+    sub.add_parser("list", help="list known and downloaded models")
+
+    r = sub.add_parser("run", help="chat with a model in the terminal")
+    r.add_argument("model", nargs="?", default=_env("MODEL", DEFAULT_MODEL))
+    r.add_argument("prompt", nargs="?", default=None, help="one prompt, then exit")
+    r.add_argument("--max-tokens", type=int, default=512)
+    r.add_argument("--temperature", type=float, default=0.7)
+    r.add_argument("--system", default=None, help="system message")
+    _engine_args(r)
+    return p
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill-chunk", type=int, default=int(_env("PREFILL_CHUNK", "2048")))
+    p.add_argument("--max-queue", type=int, default=int(_env("MAX_QUEUE", "64")))
+
+
+def _resolve(name: str) -> tuple[Path, str]:
+    from gateway.store import Store, UnknownModel
+
+    try:
+        path = Store().resolve(name)
+    except UnknownModel as exc:
+        raise SystemExit(f"error: {exc}") from None
+    model_id = name if not Path(name).exists() else Path(name).stem
+    return path, model_id
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.serving import EngineSettings, build_served
+
+    path, model_id = _resolve(args.model)
+    settings = EngineSettings(prefill_chunk=args.prefill_chunk, max_queue=args.max_queue)
+    model_id = args.model_id or model_id
+    app = create_app(lambda: build_served(path, model_id=model_id, settings=settings))
+    url = f"http://{connectable_host(args.host)}:{args.port}/v1"
+    print(f"mlx-gateway: serving {model_id} at {url}  (OPENAI_BASE_URL={url})", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0
+
+
+def _pull(args: argparse.Namespace) -> int:
+    path, _ = _resolve(args.model)
+    print(path)
+    return 0
+
+
+def _list(_: argparse.Namespace) -> int:
+    from gateway.store import Store
+
+    for item in Store().list():
+        mark = "*" if item.present else " "
+        size = f"{item.size / 1e6:8.1f} MB" if item.size else " " * 11
+        print(f"{mark} {item.alias:<22} {size}  {item.path}")
+    print("(* = downloaded)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from runtime import backend
+
+    backend.configure()  # before anything imports mlx
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "pull":
+        return _pull(args)
+    if args.command == "list":
+        return _list(args)
+    from gateway.chat_cli import run_chat
+
+    path, model_id = _resolve(args.model)
+    return run_chat(path, model_id, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""GET /v1/models and GET /health."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from gateway.served import ServedModel
+
+
+def model_card(served: ServedModel) -> dict[str, object]:
+    loaded = served.loaded
+    return {
+        "id": served.id,
+        "object": "model",
+        "created": served.created,
+        "owned_by": "mlx-gateway",
+        "context_length": served.context_length,
+        "source": str(loaded.source),
+        "dtype": loaded.dtype,
+        "quantized": loaded.quantized,
+        "capabilities": {
+            "chat": served.renderer is not None,
+            "vision": served.vision,
+            "tools": False,
+            "thinking": False,
+        },
+    }
+
+
+async def list_models(request: Request) -> JSONResponse:
+    served: ServedModel = request.app.state.served
+    return JSONResponse({"object": "list", "data": [model_card(served)]})
+
+
+async def health(request: Request) -> JSONResponse:
+    served: ServedModel | None = getattr(request.app.state, "served", None)
+    if served is None or not served.engine.running:
+        return JSONResponse({"status": "starting"}, status_code=503)
+    stats = served.engine.stats
+    return JSONResponse(
+        {
+            "status": "ok",
+            "model": served.id,
+            "busy": stats.busy,
+            "queue_depth": served.engine.queue_depth,
+            "requests_total": stats.requests_total,
+        }
+    )

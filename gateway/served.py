@@ -1,0 +1,60 @@
+"""The model this server serves: loaded weights, its renderer and its engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gateway.errors import InvalidRequest, NotFound
+
+if TYPE_CHECKING:
+    from runtime.engine import Engine
+    from runtime.loader import LoadedModel
+    from templates import Renderer
+
+
+@dataclass
+class ServedModel:
+    id: str
+    loaded: LoadedModel
+    renderer: Renderer | None
+    engine: Engine
+    aliases: frozenset[str] = frozenset()
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def context_length(self) -> int:
+        return self.loaded.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.loaded.model.args.vocab_size)
+
+    @property
+    def vision(self) -> bool:
+        return False  # the vision architectures arrive in a later issue
+
+    def check_model(self, name: str) -> None:
+        if name != self.id and name not in self.aliases:
+            raise NotFound(
+                f"The model {name!r} does not exist on this server; it serves {self.id!r}. "
+                "Use that name or list models with GET /v1/models.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """Return the max_tokens to use, or refuse a request that cannot fit."""
+        ctx = self.context_length
+        room = ctx - prompt_tokens
+        if room <= 0 or (max_tokens is not None and max_tokens > room):
+            asked = prompt_tokens + (max_tokens or 0)
+            raise InvalidRequest(
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{asked} tokens ({prompt_tokens} in the messages, {max_tokens or 0} in the "
+                "completion). Please reduce the length of the messages or completion.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        return max_tokens if max_tokens is not None else room

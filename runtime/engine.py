@@ -1,0 +1,213 @@
+"""The engine: exactly one worker thread owns MLX and serves requests in order.
+
+Requests wait in a bounded queue. Each request gets a handle whose events (text
+deltas, then one Finished) can be consumed from asyncio or from a plain thread.
+Cancelling a handle (a client went away) stops its work within one prefill chunk
+or one decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from runtime.types import (
+    Finished,
+    FinishReason,
+    GenerationEvent,
+    GenerationRequest,
+    GenerationStats,
+)
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The engine's request queue is at capacity; retry later."""
+
+
+class EngineStopped(Exception):
+    """The engine is not running."""
+
+
+class _Sink(Protocol):
+    def put(self, event: GenerationEvent) -> None: ...
+
+
+class _AsyncSink:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
+
+    def put(self, event: GenerationEvent) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the loop closed under us: nobody is listening
+            pass
+
+
+class _ThreadSink:
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[GenerationEvent] = queue.SimpleQueue()
+
+    def put(self, event: GenerationEvent) -> None:
+        self.queue.put(event)
+
+
+class RequestHandle:
+    """The caller's side of one request: iterate its events, or cancel it."""
+
+    def __init__(self, request: GenerationRequest, sink: _AsyncSink | _ThreadSink) -> None:
+        self.request = request
+        self._sink = sink
+        self._cancel = threading.Event()
+        self.submitted_at = time.perf_counter()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def _emit(self, event: GenerationEvent) -> None:
+        self._sink.put(event)
+
+    async def __aiter_impl(self) -> AsyncIterator[GenerationEvent]:
+        sink = self._sink
+        assert isinstance(sink, _AsyncSink), "submit() from a thread gives a sync handle"
+        while True:
+            event = await sink.queue.get()
+            yield event
+            if isinstance(event, Finished):
+                return
+
+    def __aiter__(self) -> AsyncIterator[GenerationEvent]:
+        return self.__aiter_impl()
+
+    def __iter__(self) -> Iterator[GenerationEvent]:
+        sink = self._sink
+        assert isinstance(sink, _ThreadSink), "submit() from asyncio gives an async handle"
+        while True:
+            event = sink.queue.get()
+            yield event
+            if isinstance(event, Finished):
+                return
+
+
+@dataclass
+class EngineStats:
+    """Counters the worker updates; read them for /health and metrics."""
+
+    requests_total: int = 0
+    requests_failed: int = 0
+    requests_cancelled: int = 0
+    prompt_tokens_total: int = 0
+    completion_tokens_total: int = 0
+    busy: bool = False
+
+
+class Runner(Protocol):
+    """What the worker runs for one request (runtime.session.Session)."""
+
+    def run(self, handle: RequestHandle) -> Finished: ...
+
+
+class Engine:
+    def __init__(self, runner: Runner, *, max_queue: int = 64) -> None:
+        self._runner = runner
+        self._queue: queue.Queue[RequestHandle | None] = queue.Queue(maxsize=max(1, max_queue))
+        self._thread: threading.Thread | None = None
+        self.stats = EngineStats()
+
+    # lifecycle -------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._work, name="mlx-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._drain()
+        self._queue.put(None)
+        thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    # submission --------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request; from asyncio the handle is async-iterable, else iterable."""
+        if not self.running:
+            raise EngineStopped("the engine is not running")
+        sink: _AsyncSink | _ThreadSink
+        try:
+            sink = _AsyncSink(asyncio.get_running_loop())
+        except RuntimeError:
+            sink = _ThreadSink()
+        handle = RequestHandle(request, sink)
+        try:
+            self._queue.put_nowait(handle)
+        except queue.Full:
+            raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
+        return handle
+
+    # worker ------------------------------------------------------------------
+    def _drain(self) -> None:
+        while True:
+            try:
+                handle = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if handle is not None:
+                handle._emit(_finished(handle, FinishReason.CANCELLED, "server shutting down"))
+
+    def _work(self) -> None:
+        while True:
+            handle = self._queue.get()
+            if handle is None:
+                return
+            self._serve(handle)
+
+    def _serve(self, handle: RequestHandle) -> None:
+        stats = self.stats
+        stats.requests_total += 1
+        if handle.cancelled:
+            stats.requests_cancelled += 1
+            handle._emit(_finished(handle, FinishReason.CANCELLED))
+            return
+        stats.busy = True
+        try:
+            done = self._runner.run(handle)
+        except Exception as exc:  # one request's failure must never kill the worker
+            log.exception("request failed")
+            stats.requests_failed += 1
+            done = _finished(handle, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+        finally:
+            stats.busy = False
+        if done.reason is FinishReason.CANCELLED:
+            stats.requests_cancelled += 1
+        stats.prompt_tokens_total += done.stats.prompt_tokens
+        stats.completion_tokens_total += done.stats.completion_tokens
+        handle._emit(done)
+
+
+def _finished(handle: RequestHandle, reason: FinishReason, error: str | None = None) -> Finished:
+    stats = GenerationStats(prompt_tokens=len(handle.request.prompt_tokens), completion_tokens=0)
+    return Finished(reason, stats, error)
+
+

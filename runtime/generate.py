@@ -1,0 +1,131 @@
+"""The generation loop: chunked prefill, then decode pipelined with mx.async_eval.
+
+Decode queues step N+1 on the device before reading token N on the host, so the
+host-side work (detokenizing, stop strings, streaming) overlaps the next forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from runtime.sampling import SampleResult, Sampler
+
+DEFAULT_PREFILL_CHUNK = 2048
+
+
+class Cancelled(Exception):
+    """Raised inside the loop when the request's cancel flag is seen."""
+
+
+class CausalLM(Protocol):
+    def forward(self, tokens: mx.array, caches: list[Any]) -> mx.array: ...
+    def logits(self, hidden: mx.array) -> mx.array: ...
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def _cache_arrays(caches: Sequence[Any]) -> list[mx.array]:
+    out: list[mx.array] = []
+    for cache in caches:
+        out.extend(cache.state)
+    return out
+
+
+def prefill(
+    model: CausalLM,
+    caches: list[Any],
+    tokens: Sequence[int],
+    *,
+    chunk: int = DEFAULT_PREFILL_CHUNK,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> list[int]:
+    """Run all but the last prompt token through the model in chunks.
+
+    Returns the tokens still to be fed (at least one), whose logits start decoding.
+    Each chunk is evaluated and the allocator cache cleared, so peak memory stays
+    bounded by one chunk's activations.
+    """
+    if not tokens:
+        raise ValueError("cannot generate from an empty prompt")
+    rest = list(tokens)
+    chunk = max(1, chunk)
+    while len(rest) > 1:
+        if cancelled():
+            raise Cancelled
+        n = min(chunk, len(rest) - 1)
+        model.forward(mx.array(rest[:n], dtype=mx.int32)[None], caches)
+        mx.eval(_cache_arrays(caches))
+        mx.clear_cache()
+        rest = rest[n:]
+    return rest
+
+
+def _sample_arrays(result: SampleResult) -> list[mx.array]:
+    arrays = [result.token, result.logprob]
+    if result.top_ids is not None and result.top_logprobs is not None:
+        arrays += [result.top_ids, result.top_logprobs]
+    return arrays
+
+
+def _read(result: SampleResult) -> SampledToken:
+    token = int(result.token.item())
+    top: tuple[tuple[int, float], ...] = ()
+    if result.top_ids is not None and result.top_logprobs is not None:
+        ids = result.top_ids.reshape(-1).tolist()
+        lps = result.top_logprobs.reshape(-1).tolist()
+        top = tuple((int(i), float(lp)) for i, lp in zip(ids, lps, strict=True))
+    return SampledToken(token, float(result.logprob.item()), top)
+
+
+def _next(model: CausalLM, caches: list[Any], inputs: mx.array, sampler: Sampler) -> SampleResult:
+    hidden = model.forward(inputs, caches)
+    return sampler.sample(model.logits(hidden[:, -1, :]))
+
+
+def generate_tokens(
+    model: CausalLM,
+    caches: list[Any],
+    prompt: Sequence[int],
+    sampler: Sampler,
+    *,
+    max_tokens: int,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    cancelled: Callable[[], bool] = lambda: False,
+    stream: Any = None,
+) -> Iterator[SampledToken]:
+    """Yield up to max_tokens sampled tokens; the consumer stops early by closing.
+
+    `stream` is the MLX stream to run on (the engine's own); None = default.
+    """
+    if max_tokens <= 0:
+        return
+    with mx.stream(stream if stream is not None else mx.default_stream(mx.default_device())):
+        rest = prefill(model, caches, prompt, chunk=prefill_chunk, cancelled=cancelled)
+        if cancelled():
+            raise Cancelled
+        current = _next(model, caches, mx.array(rest, dtype=mx.int32)[None], sampler)
+        mx.async_eval(_sample_arrays(current))
+        for produced in range(1, max_tokens + 1):
+            pending = None
+            if produced < max_tokens:
+                # queue the next step before reading this one: the device works
+                # while the host detokenizes and streams
+                pending = _next(model, caches, current.token.reshape(1, 1), sampler)
+                mx.async_eval(_sample_arrays(pending))
+            yield _read(current)
+            if pending is None:
+                return
+            if cancelled():
+                raise Cancelled
+            current = pending
+            if produced % 256 == 0:
+                mx.clear_cache()
