@@ -5,3 +5,5 @@ from __future__ import annotations
 from runtime import backend
 
 backend.configure()
+
+from tests.fixtures_real import *  # noqa: E402, F403  (model and tokenizer fixtures)

