@@ -1,0 +1,45 @@
+"""Model architectures: one module per HF `model_type`, built from a config.json dict."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from runtime.models.base import ArgsLike, LanguageModel
+
+# model_type -> module under runtime.models (several types may share one module)
+_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
+    {
+        "llama": "llama",
+        "qwen2": "qwen2",
+        "qwen3": "qwen3",
+        "gemma3_text": "gemma3",
+        "gemma3": "gemma3",
+    }
+)
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def build_model(config: Mapping[str, Any]) -> LanguageModel:
+    """A model with uninitialised (random) weights for a HF config dict.
+
+    Load weights with ``model.load_weights(list(model.sanitize(weights).items()))``.
+    """
+    model_type = config.get("model_type")
+    module_name = _ARCHITECTURES.get(str(model_type))
+    if module_name is None:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(supported_model_types())}"
+        )
+    module = importlib.import_module(f"runtime.models.{module_name}")
+    args = module.ModelArgs.from_config(config)
+    model: LanguageModel = module.Model(args)
+    return model
+
+
+__all__ = ["ArgsLike", "LanguageModel", "build_model", "supported_model_types"]

@@ -1,0 +1,154 @@
+"""A key/value cache for sliding-window layers that holds at most `max_size` tokens.
+
+A query sees itself and the `max_size - 1` tokens before it (transformers' sliding window).
+Layout invariant: while fewer than `max_size` tokens are held, they sit in temporal order
+at the start of the buffer; once exactly `max_size` are held the buffer is a ring whose
+oldest entry is at `_idx`, so single-token decode overwrites one slot instead of shifting.
+A multi-token chunk is served from the previous `max_size - 1` tokens (in order) plus the
+chunk, then the last `max_size` of those are kept, in order.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from runtime.cache.kv import Mask, window_mask
+
+
+class RotatingKVCache:
+    def __init__(self, max_size: int, step: int = 256) -> None:
+        if max_size < 1:
+            raise ValueError("max_size must be at least 1")
+        self.max_size = max_size
+        self.step = step
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self._offset = 0  # tokens seen
+        self._size = 0  # tokens held, <= max_size
+        self._idx = 0  # ring position of the oldest token, when _size == max_size
+
+    @property
+    def offset(self) -> int:
+        """Tokens seen so far (held or already slid out); the position of the next token."""
+        return self._offset
+
+    def _temporal(self) -> tuple[mx.array, mx.array] | None:
+        """The held keys and values, oldest first."""
+        if self.keys is None or self.values is None or self._size == 0:
+            return None
+        k, v = self.keys[..., : self._size, :], self.values[..., : self._size, :]
+        if self._size == self.max_size and self._idx > 0:
+            i = self._idx
+            k = mx.concatenate([k[..., i:, :], k[..., :i, :]], axis=2)
+            v = mx.concatenate([v[..., i:, :], v[..., :i, :]], axis=2)
+        return k, v
+
+    def _append_one(self, keys: mx.array, values: mx.array) -> None:
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        if self._size >= capacity:
+            needed = self._size + 1
+            new_cap = min(self.max_size, ((needed + self.step - 1) // self.step) * self.step)
+            batch, heads, _, k_dim = keys.shape
+            new_k = mx.zeros((batch, heads, new_cap, k_dim), dtype=keys.dtype)
+            new_v = mx.zeros((batch, heads, new_cap, values.shape[-1]), dtype=values.dtype)
+            if self.keys is not None and self.values is not None and self._size > 0:
+                new_k[..., : self._size, :] = self.keys[..., : self._size, :]
+                new_v[..., : self._size, :] = self.values[..., : self._size, :]
+            self.keys, self.values = new_k, new_v
+        assert self.keys is not None and self.values is not None
+        self.keys[..., self._size : self._size + 1, :] = keys
+        self.values[..., self._size : self._size + 1, :] = values
+        self._size += 1
+        self._idx = 0
+
+    def _update_one(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self._size < self.max_size:
+            self._append_one(keys, values)
+        else:
+            assert self.keys is not None and self.values is not None
+            i = self._idx
+            self.keys[..., i : i + 1, :] = keys
+            self.values[..., i : i + 1, :] = values
+            self._idx = (i + 1) % self.max_size
+        self._offset += 1
+        assert self.keys is not None and self.values is not None
+        # One query attends to every held key, so ring order does not matter here.
+        return self.keys[..., : self._size, :], self.values[..., : self._size, :]
+
+    def _update_chunk(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        held = self._temporal()
+        keep = min(self._size, self.max_size - 1)
+        if held is not None and keep > 0:
+            k = mx.concatenate([held[0][..., self._size - keep :, :], keys], axis=2)
+            v = mx.concatenate([held[1][..., self._size - keep :, :], values], axis=2)
+        else:
+            k, v = keys, values
+        total = k.shape[2]
+        start = max(0, total - self.max_size)
+        if start > 0:
+            # copy, so a long chunk's keys are not kept alive behind a view of the window
+            self.keys = mx.contiguous(k[..., start:, :])
+            self.values = mx.contiguous(v[..., start:, :])
+        else:
+            self.keys, self.values = k, v
+        self._size = total - start
+        self._idx = 0
+        self._offset += keys.shape[2]
+        return k, v
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Add (B, n_kv_heads, L, head_dim) keys/values; return those the new queries may see.
+
+        For L > 1 the returned keys are in temporal order (the previous window, then the
+        chunk) and `make_mask(L)` matches them; for L == 1 they may be in ring order.
+        """
+        if keys.shape[2] == 1:
+            return self._update_one(keys, values)
+        return self._update_chunk(keys, values)
+
+    def make_mask(self, length: int, window: int | None = None) -> Mask:
+        """The mask for the next `update_and_fetch` of `length` tokens.
+
+        The window is this cache's `max_size`; `window` is accepted for interface parity.
+        """
+        if length == 1:
+            return None  # every held key is within the window of the newest token
+        keep = min(self._size, self.max_size - 1)
+        if keep + length <= self.max_size:
+            return "causal"  # the window cannot bind inside this chunk
+        return window_mask(length, keep + length, self.max_size)
+
+    @property
+    def state(self) -> list[mx.array]:
+        """The arrays to evaluate after a prefill chunk."""
+        if self.keys is None or self.values is None:
+            return []
+        return [self.keys, self.values]
+
+    def trim(self, n: int) -> int:
+        """Forget the last `n` tokens, all or nothing; return how many were dropped.
+
+        Possible while nothing has slid out of the window, or (after it has) when at
+        least `max_size - 1` tokens stay, the history the next query needs.
+        """
+        n = max(0, min(n, self._offset))
+        if n == 0:
+            return 0
+        nothing_dropped = self._offset == self._size
+        if not nothing_dropped and self._size - n < self.max_size - 1:
+            return 0
+        held = self._temporal()
+        if held is not None:
+            self.keys = held[0][..., : self._size - n, :]
+            self.values = held[1][..., : self._size - n, :]
+        self._size -= n
+        self._idx = 0
+        self._offset -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for the buffers."""
+        if self.keys is None or self.values is None:
+            return 0
+        return int(self.keys.nbytes + self.values.nbytes)

@@ -1,0 +1,220 @@
+"""Shared model pieces: norms, MLP, attention (GQA, masks, optional soft-capping), protocols."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import mlx.core as mx
+from mlx.nn.layers.activations import gelu, silu
+from mlx.nn.layers.base import Module
+from mlx.nn.layers.embedding import Embedding
+from mlx.nn.layers.linear import Linear
+
+from runtime.cache import Cache, KVCache, Mask, RotatingKVCache, window_mask
+from runtime.models.rope import RoPE
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+class ArgsLike(Protocol):
+    """The fields every architecture's ModelArgs carries."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def max_position_embeddings(self) -> int: ...
+
+
+class LanguageModel(Protocol):
+    """A causal language model over per-layer caches (what `build_model` returns)."""
+
+    @property
+    def args(self) -> ArgsLike: ...
+
+    def forward(self, tokens: mx.array, caches: Sequence[Cache] | None = None) -> mx.array:
+        """(B, L) int32 tokens -> (B, L, hidden) states after the final norm."""
+        ...
+
+    def logits(self, hidden: mx.array) -> mx.array: ...
+
+    def __call__(self, tokens: mx.array, caches: Sequence[Cache] | None = None) -> mx.array: ...
+
+    def make_caches(self) -> list[Cache]: ...
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]: ...
+
+    def parameters(self) -> Any: ...
+
+    def load_weights(
+        self, file_or_weights: str | list[tuple[str, mx.array]], strict: bool = True
+    ) -> Module: ...
+
+
+class RMSNorm(Module):
+    """RMSNorm; `unit_offset` gives gemma's variant, which scales by (1 + weight)."""
+
+    def __init__(self, dims: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
+        super().__init__()
+        # gemma stores weights centred on 0, llama on 1
+        self.weight = mx.zeros((dims,)) if unit_offset else mx.ones((dims,))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weight = 1.0 + self.weight if self.unit_offset else self.weight
+        return mx.fast.rms_norm(x, weight, self.eps)
+
+
+def _gelu_tanh(x: mx.array) -> mx.array:
+    return 0.5 * x * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+_ACTIVATIONS: Mapping[str, Callable[[mx.array], mx.array]] = {
+    "silu": silu,
+    "swish": silu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_new": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "gelu": gelu,
+}
+
+
+def activation(name: str) -> Callable[[mx.array], mx.array]:
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unsupported activation {name!r}") from None
+
+
+class MLP(Module):
+    """Gated MLP: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, dims: int, hidden: int, act: str = "silu", bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = Linear(dims, hidden, bias=bias)
+        self.up_proj = Linear(dims, hidden, bias=bias)
+        self.down_proj = Linear(hidden, dims, bias=bias)
+        self._act = activation(act)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _softcapped_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask, softcap: float
+) -> mx.array:
+    """Attention with tanh soft-capped scores, which the fused kernel cannot do."""
+    batch, q_heads, length, _ = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    # Group query heads by the key head they share instead of repeating k and v.
+    q = q.reshape(batch, kv_heads, q_heads // kv_heads, length, q.shape[-1])
+    scores = (q * scale) @ mx.expand_dims(k, 2).swapaxes(-1, -2)
+    scores = mx.tanh(scores / softcap) * softcap
+    if isinstance(mask, str):
+        mask = window_mask(length, keys, None)
+    if mask is not None:
+        scores = mx.where(mask, scores, mx.array(-mx.inf, dtype=scores.dtype))
+    probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)
+    out = probs @ mx.expand_dims(v, 2)
+    return out.reshape(batch, q_heads, length, v.shape[-1])
+
+
+def attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: Mask,
+    softcap: float | None = None,
+) -> mx.array:
+    """(B, Hq, L, D) queries over (B, Hkv, K, D) keys/values; Hq a multiple of Hkv."""
+    if softcap is not None:
+        return _softcapped_attention(q, k, v, scale, mask, softcap)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+class Attention(Module):
+    """Multi-head attention with grouped KV heads, RoPE and optional per-head q/k norms."""
+
+    def __init__(
+        self,
+        dims: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        rope: RoPE,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: str | None = None,
+        norm_eps: float = 1e-6,
+        scale: float | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.q_proj = Linear(dims, n_heads * head_dim, bias=qkv_bias)
+        self.k_proj = Linear(dims, n_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = Linear(dims, n_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = Linear(n_heads * head_dim, dims, bias=o_bias)
+        if qk_norm is not None:
+            unit = qk_norm == "gemma"
+            self.q_norm = RMSNorm(head_dim, norm_eps, unit_offset=unit)
+            self.k_norm = RMSNorm(head_dim, norm_eps, unit_offset=unit)
+        self._qk_norm = qk_norm is not None
+        self.rope = rope
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.window = window
+        self.softcap = softcap
+
+    def __call__(self, x: mx.array, cache: Cache) -> mx.array:
+        batch, length, _ = x.shape
+        q = self.q_proj(x).reshape(batch, length, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
+        if self._qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        offset = cache.offset
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        mask = cache.make_mask(length, self.window)
+        k, v = cache.update_and_fetch(k, v)
+        out = attention(q, k, v, scale=self.scale, mask=mask, softcap=self.softcap)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
+def make_layer_caches(layer_types: Sequence[str], sliding_window: int | None) -> list[Cache]:
+    """One cache per layer: rotating for sliding-window layers, growing for the rest."""
+    caches: list[Cache] = []
+    for kind in layer_types:
+        if kind == SLIDING_ATTENTION and sliding_window is not None:
+            caches.append(RotatingKVCache(max_size=sliding_window))
+        else:
+            caches.append(KVCache())
+    return caches
+
+
+def tied_logits(embed: Embedding, lm_head: Linear | None, hidden: mx.array) -> mx.array:
+    return embed.as_linear(hidden) if lm_head is None else lm_head(hidden)
+
+
+def config_int(config: Mapping[str, Any], key: str, default: int) -> int:
+    value = config.get(key)
+    return default if value is None else int(value)
+
+
+def config_float(config: Mapping[str, Any], key: str, default: float) -> float:
+    value = config.get(key)
+    return default if value is None else float(value)
+
+
+def optional_float(config: Mapping[str, Any], key: str) -> float | None:
+    value = config.get(key)
+    return None if value is None else float(value)

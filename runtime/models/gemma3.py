@@ -1,0 +1,235 @@
+"""Gemma 3 text model (also the text half of a multimodal gemma3 checkpoint).
+
+Differences from llama: embeddings scaled by sqrt(hidden) in the weight dtype, RMSNorm by
+(1 + weight), per-head q/k norms, four norms per layer, attention scale
+query_pre_attn_scalar**-0.5, gelu (tanh), and interleaved sliding-window layers (local
+rope base) with global layers (global rope base, optionally linearly scaled).
+Like transformers, attn_logit_softcapping is ignored (a gemma2 setting gemma3 dropped);
+final_logit_softcapping is applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx.nn.layers.base import Module
+from mlx.nn.layers.embedding import Embedding
+from mlx.nn.layers.linear import Linear
+
+from runtime.cache import Cache
+from runtime.models.base import (
+    FULL_ATTENTION,
+    MLP,
+    SLIDING_ATTENTION,
+    Attention,
+    RMSNorm,
+    config_float,
+    config_int,
+    make_layer_caches,
+    optional_float,
+    tied_logits,
+)
+from runtime.models.rope import RoPE, RopeSpec, parse_rope
+
+# Prefixes of multimodal checkpoints: the text model's, then the vision parts we drop.
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.", ""))
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+# transformers' default bases (RopeSpec is frozen, so sharing these is safe)
+_GLOBAL_ROPE = RopeSpec(theta=1_000_000.0)
+_LOCAL_ROPE = RopeSpec(theta=10_000.0)
+
+
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    text = config.get("text_config")
+    if isinstance(text, Mapping):
+        return text
+    return {} if config.get("model_type") == "gemma3" else config
+
+
+def _layer_types(text: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+    given = text.get("layer_types")
+    if given:
+        if len(given) != num_layers:
+            raise ValueError(f"layer_types has {len(given)} entries for {num_layers} layers")
+        return tuple(str(t) for t in given)
+    pattern = config_int(text, "sliding_window_pattern", 6)
+    return tuple(
+        SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)
+    )
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Defaults are transformers' Gemma3TextConfig defaults: real multimodal configs rely
+    on them, listing only what differs."""
+
+    model_type: str = "gemma3_text"
+    hidden_size: int = 2304
+    intermediate_size: int = 9216
+    num_layers: int = 26
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    vocab_size: int = 262_208
+    max_position_embeddings: int = 131_072
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    hidden_act: str = "gelu_pytorch_tanh"
+    attention_bias: bool = False
+    query_pre_attn_scalar: float = 256.0
+    sliding_window: int = 4096
+    layer_types: tuple[str, ...] = ()
+    rope_global: RopeSpec = _GLOBAL_ROPE
+    rope_local: RopeSpec = _LOCAL_ROPE
+    final_logit_softcapping: float | None = None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ModelArgs:
+        """From a gemma3_text config, or a multimodal gemma3 config (its text_config)."""
+        text = _text_config(config)
+        if text.get("use_bidirectional_attention"):
+            raise ValueError(
+                "gemma3 with bidirectional attention (embedding models) is unsupported"
+            )
+        d = cls()
+        layers = config_int(text, "num_hidden_layers", d.num_layers)
+        tie = text.get("tie_word_embeddings", config.get("tie_word_embeddings", True))
+        return cls(
+            model_type=str(config.get("model_type", d.model_type)),
+            hidden_size=config_int(text, "hidden_size", d.hidden_size),
+            intermediate_size=config_int(text, "intermediate_size", d.intermediate_size),
+            num_layers=layers,
+            num_attention_heads=config_int(text, "num_attention_heads", d.num_attention_heads),
+            num_key_value_heads=config_int(text, "num_key_value_heads", d.num_key_value_heads),
+            head_dim=config_int(text, "head_dim", d.head_dim),
+            vocab_size=config_int(text, "vocab_size", d.vocab_size),
+            max_position_embeddings=config_int(
+                text, "max_position_embeddings", d.max_position_embeddings
+            ),
+            rms_norm_eps=config_float(text, "rms_norm_eps", d.rms_norm_eps),
+            tie_word_embeddings=bool(tie),
+            hidden_act=str(text.get("hidden_activation") or text.get("hidden_act") or d.hidden_act),
+            attention_bias=bool(text.get("attention_bias", False)),
+            query_pre_attn_scalar=config_float(
+                text, "query_pre_attn_scalar", d.query_pre_attn_scalar
+            ),
+            sliding_window=config_int(text, "sliding_window", d.sliding_window),
+            layer_types=_layer_types(text, layers),
+            rope_global=parse_rope(
+                text, layer_type=FULL_ATTENTION, default_theta=d.rope_global.theta
+            ),
+            # old configs: local layers take rope_local_base_freq and never rope_scaling
+            rope_local=parse_rope(
+                text,
+                layer_type=SLIDING_ATTENTION,
+                default_theta=d.rope_local.theta,
+                theta_key="rope_local_base_freq",
+                apply_old_scaling=False,
+            ),
+            final_logit_softcapping=optional_float(text, "final_logit_softcapping"),
+        )
+
+
+class DecoderLayer(Module):
+    def __init__(self, args: ModelArgs, rope: RoPE, layer_type: str) -> None:
+        super().__init__()
+        sliding = layer_type == SLIDING_ATTENTION
+        dims, eps = args.hidden_size, args.rms_norm_eps
+        self.self_attn = Attention(
+            dims,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            rope,
+            qkv_bias=args.attention_bias,
+            o_bias=args.attention_bias,
+            qk_norm="gemma",
+            norm_eps=eps,
+            scale=args.query_pre_attn_scalar**-0.5,
+            window=args.sliding_window if sliding else None,
+        )
+        self.mlp = MLP(dims, args.intermediate_size, args.hidden_act)
+        self.input_layernorm = RMSNorm(dims, eps, unit_offset=True)
+        self.post_attention_layernorm = RMSNorm(dims, eps, unit_offset=True)
+        self.pre_feedforward_layernorm = RMSNorm(dims, eps, unit_offset=True)
+        self.post_feedforward_layernorm = RMSNorm(dims, eps, unit_offset=True)
+
+    def __call__(self, x: mx.array, cache: Cache) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class TextModel(Module):
+    """The `model.` part of the checkpoint."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_scale = args.hidden_size**0.5
+        ropes = {
+            FULL_ATTENTION: RoPE(args.rope_global, args.head_dim),
+            SLIDING_ATTENTION: RoPE(args.rope_local, args.head_dim),
+        }
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [
+            DecoderLayer(args, ropes.get(kind, ropes[FULL_ATTENTION]), kind)
+            for kind in args.layer_types
+        ]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, unit_offset=True)
+
+    def __call__(self, tokens: mx.array, caches: Sequence[Cache]) -> mx.array:
+        h = self.embed_tokens(tokens)
+        # transformers rounds the scale to the weight dtype first (bf16: sqrt(3072) -> 55.5)
+        h = h * mx.array(self.embed_scale, dtype=h.dtype)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            h = layer(h, cache)
+        return self.norm(h)
+
+
+class Model(Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = TextModel(args)
+        self.lm_head: Linear | None = None
+        if not args.tie_word_embeddings:
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(self, tokens: mx.array, caches: Sequence[Cache] | None = None) -> mx.array:
+        """(B, L) tokens -> (B, L, hidden) after the final norm; `caches` are updated."""
+        return self.model(tokens, self.make_caches() if caches is None else caches)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        out = tied_logits(self.model.embed_tokens, self.lm_head, hidden)
+        cap = self.args.final_logit_softcapping
+        if cap is not None:
+            out = mx.tanh(out / cap) * cap
+        return out
+
+    def __call__(self, tokens: mx.array, caches: Sequence[Cache] | None = None) -> mx.array:
+        return self.logits(self.forward(tokens, caches))
+
+    def make_caches(self) -> list[Cache]:
+        return make_layer_caches(self.args.layer_types, self.args.sliding_window)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """HF names -> parameter names; multimodal checkpoints lose their vision parts."""
+        out: dict[str, mx.array] = {}
+        for name, value in weights.items():
+            if "rotary_emb.inv_freq" in name or name.startswith(_VISION_PREFIXES):
+                continue
+            for prefix, replacement in _TEXT_PREFIXES:
+                if name.startswith(prefix):
+                    name = replacement + name[len(prefix) :]
+                    break
+            out[name] = value
+        if self.args.tie_word_embeddings:
+            out.pop("lm_head.weight", None)
+        return out
