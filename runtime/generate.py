@@ -29,7 +29,7 @@ class CausalLM(Protocol):
 @dataclass(frozen=True)
 class SampledToken:
     token_id: int
-    logprob: float
+    logprob: float | None  # None unless the request asked for logprobs
     top: tuple[tuple[int, float], ...]
 
 
@@ -70,19 +70,20 @@ def prefill(
 
 
 def _sample_arrays(result: SampleResult) -> list[mx.array]:
-    arrays = [result.token, result.logprob]
-    if result.top_ids is not None and result.top_logprobs is not None:
-        arrays += [result.top_ids, result.top_logprobs]
-    return arrays
+    # the chosen token's logprob costs a log-sum-exp over the vocabulary: only
+    # evaluate it (and the top ids) when the request asked for logprobs
+    if result.top_ids is None or result.top_logprobs is None:
+        return [result.token]
+    return [result.token, result.logprob, result.top_ids, result.top_logprobs]
 
 
 def _read(result: SampleResult) -> SampledToken:
     token = int(result.token.item())
-    top: tuple[tuple[int, float], ...] = ()
-    if result.top_ids is not None and result.top_logprobs is not None:
-        ids = result.top_ids.reshape(-1).tolist()
-        lps = result.top_logprobs.reshape(-1).tolist()
-        top = tuple((int(i), float(lp)) for i, lp in zip(ids, lps, strict=True))
+    if result.top_ids is None or result.top_logprobs is None:
+        return SampledToken(token, None, ())
+    ids = result.top_ids.reshape(-1).tolist()
+    lps = result.top_logprobs.reshape(-1).tolist()
+    top = tuple((int(i), float(lp)) for i, lp in zip(ids, lps, strict=True))
     return SampledToken(token, float(result.logprob.item()), top)
 
 

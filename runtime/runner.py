@@ -40,12 +40,13 @@ class ModelRunner:
         self._stream: Any = None
 
     def _token_text(self, token_id: int) -> str:
-        return self.loaded.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._detok_table.token_text(token_id)
 
     def _logprobs(self, sampled: SampledToken) -> tuple[TokenLogprob, ...]:
         top = tuple(TopLogprob(i, self._token_text(i), lp) for i, lp in sampled.top)
         text = self._token_text(sampled.token_id)
-        return (TokenLogprob(sampled.token_id, text, sampled.logprob, top),)
+        logprob = sampled.logprob if sampled.logprob is not None else 0.0
+        return (TokenLogprob(sampled.token_id, text, logprob, top),)
 
     def run(self, handle: RequestHandle) -> Finished:
         if self._stream is None:
