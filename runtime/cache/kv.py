@@ -1,37 +1,37 @@
-"""A growing key/value cache for full-attention layers, plus the mask helpers both caches share."""
+"""A growing key/value cache for full-attention layers, with its snapshots."""
 
 from __future__ import annotations
 
-from typing import Literal, TypeAlias
-
 import mlx.core as mx
 
-# What attention receives: None (attend to every key), "causal" (lower-right aligned causal,
-# done inside the fused kernel), or a boolean array broadcastable to (B, H, L, K), True = attend.
-Mask: TypeAlias = mx.array | Literal["causal"] | None
+from runtime.cache.mask import Mask, window_mask
+from runtime.cache.protocol import ArraySnapshot, Snapshot, close_all, copy_arrays
 
 
-def window_mask(queries: int, keys: int, window: int | None) -> mx.array:
-    """Boolean (queries, keys) mask; the queries are the last `queries` of the `keys` positions.
+class KVSnapshot(ArraySnapshot):
+    """Keys and values of positions [base, end): a delta written on top of [0, base)."""
 
-    Query i sits at key position ``keys - queries + i``; it sees key j when j is not in its
-    future and, with a window, when fewer than `window` positions separate them (a query sees
-    itself plus window - 1 earlier tokens, as transformers' sliding masks do).
-    """
-    q_pos = mx.arange(keys - queries, keys)[:, None]
-    k_pos = mx.arange(keys)[None, :]
-    distance = q_pos - k_pos
-    allowed = distance >= 0
-    if window is not None:
-        allowed = allowed & (distance < window)
-    return allowed
+    def __init__(self, keys: mx.array, values: mx.array, base: int, end: int) -> None:
+        super().__init__((keys, values), base=base, end=end, floor=base)
+
+    @property
+    def keys(self) -> mx.array:
+        return self.arrays[0]
+
+    @property
+    def values(self) -> mx.array:
+        return self.arrays[1]
+
+
+def _usable(snap: Snapshot | None) -> KVSnapshot | None:
+    return snap if isinstance(snap, KVSnapshot) and not snap.closed else None
 
 
 class KVCache:
     """Keys and values of every token seen, in a buffer that grows `step` tokens at a time.
 
     Writing into a preallocated buffer by slice assignment keeps single-token decode from
-    copying the whole cache each step, as concatenation would.
+    copying the whole cache each step, as concatenation would. It can rewind to any offset.
     """
 
     def __init__(self, step: int = 256) -> None:
@@ -97,3 +97,68 @@ class KVCache:
         if self.keys is None or self.values is None:
             return 0
         return int(self.keys.nbytes + self.values.nbytes)
+
+    # -- paging (runtime/cache/protocol.py) --
+
+    @property
+    def rewindable(self) -> bool:
+        return True
+
+    @property
+    def rewind_floor(self) -> int:
+        return 0
+
+    def snapshot(self, from_offset: int) -> KVSnapshot | None:
+        start = max(0, from_offset)
+        if self.keys is None or self.values is None or start >= self._offset:
+            return None
+        keys, values = copy_arrays(
+            self.keys[..., start : self._offset, :], self.values[..., start : self._offset, :]
+        )
+        return KVSnapshot(keys, values, start, self._offset)
+
+    def restore(self, snapshot: Snapshot | None, target: int) -> bool:
+        if snapshot is None or target == 0:
+            if not 0 <= target <= self._offset:
+                return False
+            self._offset = target
+            return True
+        snap = _usable(snapshot)
+        if snap is None or not snap.base <= target <= snap.end or snap.base > self._offset:
+            return False
+        self._offset = snap.base
+        count = target - snap.base
+        if count > 0:
+            self.update_and_fetch(snap.keys[..., :count, :], snap.values[..., :count, :])
+        return True
+
+    def merge(self, parent: Snapshot | None, child: Snapshot | None) -> Snapshot | None:
+        first, second = _usable(parent), _usable(child)
+        merged = None
+        if first is not None and second is not None and first.end == second.base:
+            keys = mx.concatenate([first.keys, second.keys], axis=2)
+            values = mx.concatenate([first.values, second.values], axis=2)
+            mx.async_eval(keys, values)
+            merged = KVSnapshot(keys, values, first.base, second.end)
+        close_all(parent, child)
+        return merged
+
+    def split(self, snapshot: Snapshot, at: int) -> tuple[Snapshot | None, Snapshot | None]:
+        snap = _usable(snapshot)
+        if snap is None or at <= snap.base:
+            return None, snapshot
+        if at >= snap.end:
+            return snapshot, None
+        n = at - snap.base
+        k_head, v_head, k_tail, v_tail = copy_arrays(
+            snap.keys[..., :n, :],
+            snap.values[..., :n, :],
+            snap.keys[..., n:, :],
+            snap.values[..., n:, :],
+        )
+        snapshot.close()
+        return KVSnapshot(k_head, v_head, snap.base, at), KVSnapshot(k_tail, v_tail, at, snap.end)
+
+    def free(self) -> None:
+        self.keys = self.values = None
+        self._offset = 0

@@ -6,13 +6,45 @@ at the start of the buffer; once exactly `max_size` are held the buffer is a rin
 oldest entry is at `_idx`, so single-token decode overwrites one slot instead of shifting.
 A multi-token chunk is served from the previous `max_size - 1` tokens (in order) plus the
 chunk, then the last `max_size` of those are kept, in order.
+
+Paging: a snapshot is the held window, oldest first, plus the offset; it restores on its
+own (base 0). Live rewinding, and stopping a restore short of the snapshot's end, are
+possible while nothing has slid out of the window, and afterwards only as far as leaves
+the `max_size - 1` tokens the next query needs.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from runtime.cache.kv import Mask, window_mask
+from runtime.cache.mask import Mask, window_mask
+from runtime.cache.protocol import ArraySnapshot, Snapshot, close_all, copy_arrays
+
+
+def _rewind_floor(offset: int, held: int, max_size: int) -> int:
+    """The smallest offset reachable by dropping newest tokens from a window of `held`."""
+    if held == offset:
+        return 0  # nothing has slid out: any prefix is still there
+    return offset - held + max_size - 1
+
+
+class RotatingSnapshot(ArraySnapshot):
+    """The window held at offset `end`, oldest first; self-contained."""
+
+    def __init__(self, keys: mx.array, values: mx.array, end: int, max_size: int) -> None:
+        held = keys.shape[2]
+        floor = _rewind_floor(end, held, max_size)
+        super().__init__((keys, values), base=0, end=end, floor=floor)
+        self.max_size = max_size
+        self.held = held
+
+    @property
+    def keys(self) -> mx.array:
+        return self.arrays[0]
+
+    @property
+    def values(self) -> mx.array:
+        return self.arrays[1]
 
 
 class RotatingKVCache:
@@ -152,3 +184,65 @@ class RotatingKVCache:
         if self.keys is None or self.values is None:
             return 0
         return int(self.keys.nbytes + self.values.nbytes)
+
+    # -- paging (runtime/cache/protocol.py) --
+
+    @property
+    def rewindable(self) -> bool:
+        return False
+
+    @property
+    def rewind_floor(self) -> int:
+        return _rewind_floor(self._offset, self._size, self.max_size)
+
+    def _usable(self, snap: Snapshot | None) -> RotatingSnapshot | None:
+        if (
+            isinstance(snap, RotatingSnapshot)
+            and not snap.closed
+            and snap.max_size == self.max_size
+        ):
+            return snap
+        return None
+
+    def snapshot(self, from_offset: int) -> RotatingSnapshot | None:
+        held = self._temporal()
+        if held is None or self._offset <= from_offset:
+            return None
+        keys, values = copy_arrays(*held)
+        return RotatingSnapshot(keys, values, self._offset, self.max_size)
+
+    def restore(self, snapshot: Snapshot | None, target: int) -> bool:
+        if target == 0:
+            self.free()
+            return True
+        if snapshot is None:
+            if not self.rewind_floor <= target <= self._offset:
+                return False
+            self.trim(self._offset - target)
+            return True
+        snap = self._usable(snapshot)
+        if snap is None or not snap.floor <= target <= snap.end:
+            return False
+        # copies: the live buffer is written in place, the snapshot must stay intact
+        self.keys, self.values = copy_arrays(snap.keys, snap.values)
+        self._size, self._idx, self._offset = snap.held, 0, snap.end
+        self.trim(snap.end - target)
+        return True
+
+    def merge(self, parent: Snapshot | None, child: Snapshot | None) -> Snapshot | None:
+        """The child's window supersedes the parent's."""
+        close_all(parent)
+        return child
+
+    def split(self, snapshot: Snapshot, at: int) -> tuple[Snapshot | None, Snapshot | None]:
+        """The part up to `at` exists only if the window can be cut back to `at`."""
+        snap = self._usable(snapshot)
+        if snap is None or not snap.floor <= at < snap.end:
+            return None, snapshot
+        keep = snap.held - (snap.end - at)
+        keys, values = copy_arrays(snap.keys[..., :keep, :], snap.values[..., :keep, :])
+        return RotatingSnapshot(keys, values, at, self.max_size), snapshot
+
+    def free(self) -> None:
+        self.keys = self.values = None
+        self._offset = self._size = self._idx = 0

@@ -1,0 +1,102 @@
+"""State of a recurrent layer (hybrid models: short causal conv + linear-attention state).
+
+The state after token n folds in every token before it, so it cannot be rewound or cut:
+it is restored only from a snapshot taken at exactly the offset wanted.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from runtime.cache.protocol import ArraySnapshot, Snapshot, close_all, copy_arrays
+
+
+class RecurrentSnapshot(ArraySnapshot):
+    """The conv tail and recurrent state at offset `end`; self-contained."""
+
+    def __init__(self, conv_state: mx.array, recurrent_state: mx.array, end: int) -> None:
+        super().__init__((conv_state, recurrent_state), base=0, end=end, floor=end)
+
+    @property
+    def conv_state(self) -> mx.array:
+        return self.arrays[0]
+
+    @property
+    def recurrent_state(self) -> mx.array:
+        return self.arrays[1]
+
+
+class RecurrentCache:
+    """The layer reads `conv_state` / `recurrent_state` (None before the first token) and
+    calls `update` with the new ones after each chunk."""
+
+    def __init__(self) -> None:
+        self.conv_state: mx.array | None = None
+        self.recurrent_state: mx.array | None = None
+        self._offset = 0
+
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    def update(self, conv_state: mx.array, recurrent_state: mx.array, length: int) -> None:
+        """Store the states after `length` more tokens."""
+        self.conv_state = conv_state
+        self.recurrent_state = recurrent_state
+        self._offset += length
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in (self.conv_state, self.recurrent_state) if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.state)
+
+    @property
+    def rewindable(self) -> bool:
+        return False
+
+    @property
+    def rewind_floor(self) -> int:
+        return self._offset
+
+    def trim(self, n: int) -> int:
+        return 0  # folded-in tokens cannot be taken out
+
+    def snapshot(self, from_offset: int) -> RecurrentSnapshot | None:
+        """The whole state (`from_offset` does not apply: the state is not positional)."""
+        if self._offset == 0 or self.conv_state is None or self.recurrent_state is None:
+            return None
+        conv, rec = copy_arrays(self.conv_state, self.recurrent_state)
+        return RecurrentSnapshot(conv, rec, self._offset)
+
+    def restore(self, snapshot: Snapshot | None, target: int) -> bool:
+        if target == 0:
+            self.free()
+            return True
+        if snapshot is None:
+            return target == self._offset
+        if not isinstance(snapshot, RecurrentSnapshot) or snapshot.closed:
+            return False
+        if target != snapshot.end:
+            return False
+        # copies, so a layer that writes its state in place cannot reach the snapshot
+        self.conv_state, self.recurrent_state = copy_arrays(
+            snapshot.conv_state, snapshot.recurrent_state
+        )
+        self._offset = snapshot.end
+        return True
+
+    def merge(self, parent: Snapshot | None, child: Snapshot | None) -> Snapshot | None:
+        """The child's state already folds in the parent's tokens: it supersedes."""
+        close_all(parent)
+        return child
+
+    def split(self, snapshot: Snapshot, at: int) -> tuple[Snapshot | None, Snapshot | None]:
+        """The state at an earlier offset cannot be recovered."""
+        return None, snapshot
+
+    def free(self) -> None:
+        self.conv_state = self.recurrent_state = None
+        self._offset = 0

@@ -1,0 +1,471 @@
+"""The shared prefix cache: conversations that share a prefix reuse its computed state.
+
+One path of the trie (runtime/prefix_trie.py) is live: the per-layer caches hold its
+tokens. Every other node is paged out: it holds snapshots. A request:
+
+1. `begin(tokens)` finds the longest cached prefix (always leaving one token to run), plans
+   for each layer how to reach the deepest offset every layer can reach (rewinding the live
+   state where the cache can, restoring chains of snapshots where it cannot), pages out
+   the part of the old live path being left, and positions the caches there.
+2. Prefill pauses at `lease.snapshot_points` and calls `snapshot_at`, so caches that
+   cannot rewind get restore points: where this prompt leaves the trie (a future branch
+   point), a few tokens before the prompt ends (regenerating reuses the whole prompt), and
+   every `snapshot_interval` tokens.
+3. `end(lease, tokens)` records the tokens whose state the caches hold (prompt and output,
+   also for a cancelled request); `discard(lease)` drops the live state after an error.
+
+Snapshot bytes are kept within `budget_bytes` by evicting the least recently used nodes
+(then the deepest, then the largest), merging chains a removal leaves single-child. The
+invariant: with greedy sampling, any sequence of requests yields the same tokens as
+running every request from scratch. A failed restore falls back to a clean state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import mlx.core as mx
+
+from runtime.cache import LayerCache, Snapshot
+from runtime.prefix_trie import ImageKey, Key, Node, Trie, image_keys
+
+log = logging.getLogger(__name__)
+
+C = TypeVar("C", bound=LayerCache)
+
+
+@dataclass(frozen=True, eq=False)
+class Lease(Generic[C]):
+    """One request's use of the live caches, from `begin` to `end` or `discard`.
+
+    `caches` hold the first `reused` tokens of `tokens`; prefill must pause at each offset
+    in `snapshot_points` (ascending, all > reused and < len(tokens)) and call `snapshot_at`.
+    """
+
+    caches: list[C]
+    reused: int
+    snapshot_points: tuple[int, ...]
+    tokens: tuple[Key, ...]
+    serial: int
+
+
+@dataclass(frozen=True)
+class _Step:
+    """Restore one layer to `target` from the snapshot of path[node], or rewind it live."""
+
+    node: int | None
+    target: int
+
+
+_Plan = tuple[_Step, ...]
+
+
+class PrefixCache(Generic[C]):
+    def __init__(
+        self,
+        make_caches: Callable[[], Sequence[C]],
+        *,
+        budget_bytes: int,
+        snapshot_interval: int = 1024,
+        tail_keep: int = 4,
+    ) -> None:
+        if budget_bytes < 0 or snapshot_interval < 1 or tail_keep < 1:
+            raise ValueError("budget_bytes >= 0, snapshot_interval >= 1, tail_keep >= 1")
+        self._make = make_caches
+        self.budget_bytes = budget_bytes
+        self.snapshot_interval = snapshot_interval
+        self.tail_keep = tail_keep
+        self._caches: list[C] = list(make_caches()) if budget_bytes > 0 else []
+        self._trie = Trie(self._caches)
+        self._path: list[Node] = [self._trie.root]
+        self._lease: Lease[C] | None = None
+        self._serial = 0
+        self._tick = 0
+        self._counts: Counter[str] = Counter()
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_bytes > 0
+
+    # -- the request lifecycle --
+
+    def begin(self, tokens: Sequence[Key]) -> Lease[C]:
+        """Position the live caches on the longest usable cached prefix of `tokens`."""
+        if not tokens:
+            raise ValueError("cannot begin an empty prompt")
+        if self._lease is not None:
+            log.warning("prefix cache: begin() while a lease is open; discarding it")
+            self.discard(self._lease)
+        keys = tuple(tokens)
+        self._serial += 1
+        self._counts["requests"] += 1
+        self._counts["prompt_tokens"] += len(keys)
+        if not self.enabled:
+            lease = Lease(list(self._make()), 0, (), keys, self._serial)
+        else:
+            self._tick += 1
+            try:
+                reused, branch = self._position(keys)
+            except Exception:
+                log.exception("prefix cache: positioning failed; starting clean")
+                self._counts["restore_failures"] += 1
+                self._clear_live()
+                reused, branch = 0, 0
+            points = self._snapshot_points(len(keys), reused, branch)
+            lease = Lease(self._caches, reused, points, keys, self._serial)
+            self._counts["hits"] += reused > 0
+            self._counts["reused_tokens"] += reused
+            log.debug("prefix cache: reused %d of %d tokens", reused, len(keys))
+        self._lease = lease
+        return lease
+
+    def snapshot_at(self, lease: Lease[C], offset: int) -> None:
+        """Called by prefill when every cache is at `offset` (one of the snapshot points)."""
+        self._require(lease)
+        if not self.enabled:
+            return
+        if not 0 < offset <= len(lease.tokens):
+            raise ValueError(f"snapshot offset {offset} outside the prompt")
+        if any(c.offset != offset for c in self._caches):
+            raise ValueError(f"caches are not all at offset {offset}")
+        frontier = self._path[-1]
+        if offset <= frontier.end:
+            return
+        self._path += self._trie.advance(frontier, lease.tokens[frontier.end : offset], self._tick)
+        self._fill(self._path[-1])
+        self._enforce_budget()
+
+    def end(self, lease: Lease[C], tokens_in_cache: Sequence[Key]) -> None:
+        """The request finished, was cancelled or failed cleanly: record the path.
+
+        `tokens_in_cache` are the prompt followed by the generated tokens whose state is in
+        the caches (its length is the caches' offset; extra trailing tokens are ignored).
+        """
+        self._require(lease)
+        self._lease = None
+        if not self.enabled:
+            for cache in lease.caches:
+                cache.free()
+            return
+        self._tick += 1
+        if not self._record(lease, tuple(tokens_in_cache)):
+            log.warning("prefix cache: caches disagree with the tokens; dropping live state")
+            self._counts["discards"] += 1
+            self._clear_live()
+        self._enforce_budget()
+
+    def discard(self, lease: Lease[C]) -> None:
+        """An error left the caches in an unknown state: drop the live state."""
+        if lease is not self._lease:
+            return
+        self._lease = None
+        self._counts["discards"] += 1
+        if not self.enabled:
+            for cache in lease.caches:
+                cache.free()
+            return
+        self._clear_live()
+        self._enforce_budget()
+
+    # -- positioning --
+
+    def _position(self, keys: tuple[Key, ...]) -> tuple[int, int]:
+        """Bring the live caches to the deepest reachable prefix; return (it, match end)."""
+        path, matched = self._trie.match(keys[:-1])  # always leave one token to run
+        branch = matched
+        while True:
+            target, plans = self._plan(path, matched, self._live_common(path, matched))
+            inner = next((j for j, n in enumerate(path) if n.start < target < n.end), None)
+            if inner is None:
+                break
+            upper = self._trie.split(path[inner], target)
+            if path[inner] in self._path:
+                self._path.insert(self._path.index(path[inner]), upper)
+            path, matched = [*path[:inner], upper], target
+        live = [n for n in path if n.end <= target]
+        kept = {id(n) for n in live}
+        self._page_out([n for n in self._path if id(n) not in kept])
+        if not self._apply(path, plans, target):
+            log.warning("prefix cache: restore failed; starting clean")
+            self._counts["restore_failures"] += 1
+            self._clear_live()
+            return 0, branch
+        self._path = live
+        for node in live:
+            node.last_used = self._tick
+        if target > 0 and live[-1].children:
+            self._fill(live[-1])  # a branch point: give caches that cannot rewind a restore point
+        mx.eval([a for c in self._caches for a in c.state])
+        self._enforce_budget()
+        return target, branch
+
+    def _live_common(self, path: list[Node], matched: int) -> int:
+        """How many of the matched tokens the live caches already hold."""
+        k = 0
+        while k < len(path) and k < len(self._path) and path[k] is self._path[k]:
+            k += 1
+        if k < len(path) and k < len(self._path):
+            return min(matched, path[k - 1].end)  # the paths part at a node boundary
+        return min(matched, self._path[-1].end)
+
+    def _plan(self, path: list[Node], matched: int, live: int) -> tuple[int, list[_Plan]]:
+        """The deepest offset <= matched that every layer can reach, and each layer's steps.
+
+        Reachable sets are unions of intervals ending at `live`, at snapshot ends or at
+        `matched`, so only those offsets (and 0, always reachable) need trying. Layers with
+        the same rewind floor and snapshots along the path share one plan.
+        """
+        groups: dict[tuple[object, ...], list[int]] = {}
+        for i, cache in enumerate(self._caches):
+            sig = (cache.rewind_floor, *(_shape(n.snapshot(i)) for n in path))
+            groups.setdefault(sig, []).append(i)
+        candidates = sorted({0, matched, live, *(n.end for n in path if n.end < matched)})
+        memos: dict[int, dict[int, _Plan | None]] = {layers[0]: {} for layers in groups.values()}
+        for target in reversed(candidates):
+            plans: list[_Plan] = [()] * len(self._caches)
+            for layers in groups.values():
+                plan = self._layer_plan(layers[0], path, live, target, memos[layers[0]])
+                if plan is None:
+                    break
+                for i in layers:
+                    plans[i] = plan
+            else:
+                return target, plans
+        raise AssertionError("offset 0 is always reachable")
+
+    def _layer_plan(
+        self, i: int, path: list[Node], live: int, target: int, memo: dict[int, _Plan | None]
+    ) -> _Plan | None:
+        if target in memo:
+            return memo[target]
+        plan: _Plan | None = None
+        if target == 0 or self._caches[i].rewind_floor <= target <= live:
+            plan = (_Step(None, target),)
+        else:
+            for j in range(len(path) - 1, 0, -1):
+                snap = path[j].snapshot(i)
+                if snap is None or not snap.floor <= target <= snap.end:
+                    continue
+                if snap.base == 0:
+                    plan = (_Step(j, target),)
+                    break
+                before = None
+                if snap.base < target:
+                    before = self._layer_plan(i, path, live, snap.base, memo)
+                if before is not None:
+                    plan = (*before, _Step(j, target))
+                    break
+        memo[target] = plan
+        return plan
+
+    def _apply(self, path: list[Node], plans: list[_Plan], target: int) -> bool:
+        for i, cache in enumerate(self._caches):
+            for step in plans[i]:
+                snap = None if step.node is None else path[step.node].snapshot(i)
+                if step.node is not None and snap is None:
+                    return False
+                if not cache.restore(snap, step.target):
+                    return False
+            if cache.offset != target:
+                return False
+        return True
+
+    def _page_out(self, leaving: list[Node]) -> None:
+        """Snapshot what the live caches hold for nodes about to lose live backing.
+
+        `leaving` is the tail of the live path; its last node ends at the live offset. One
+        snapshot per layer is taken from the first node lacking one and split at each node
+        end (caches that cannot split give only the last node its part).
+        """
+        if not leaving:
+            return
+        for i, cache in enumerate(self._caches):
+            first = next((j for j, n in enumerate(leaving) if n.snapshot(i) is None), None)
+            if first is None:
+                continue
+            rest = cache.snapshot(leaving[first].start)
+            for node in leaving[first:]:
+                if rest is None:
+                    break
+                part: Snapshot | None
+                if node is leaving[-1]:
+                    part, rest = rest, None
+                else:
+                    part, rest = cache.split(rest, node.end)
+                if part is None:
+                    continue
+                if node.snapshot(i) is None and part.end == node.end:
+                    self._trie.set_snapshot(node, i, part)
+                    self._counts["page_outs"] += 1
+                else:
+                    part.close()
+            if rest is not None:
+                rest.close()
+
+    def _fill(self, node: Node) -> None:
+        """Snapshot, at the live offset `node.end`, the layers that cannot rewind to it later."""
+        for i, cache in enumerate(self._caches):
+            if cache.rewindable or node.snapshot(i) is not None:
+                continue
+            snap = cache.snapshot(node.start)
+            if snap is not None:
+                self._trie.set_snapshot(node, i, snap)
+
+    def _snapshot_points(self, length: int, reused: int, branch: int) -> tuple[int, ...]:
+        if all(c.rewindable for c in self._caches):
+            return ()  # live state rewinds anywhere; paging out covers the rest
+        step = self.snapshot_interval
+        points = {branch, length - self.tail_keep}
+        points.update(range((reused // step + 1) * step, length, step))
+        return tuple(sorted(p for p in points if reused < p < length))
+
+    # -- recording, clearing --
+
+    def _record(self, lease: Lease[C], keys: tuple[Key, ...]) -> bool:
+        offsets = {c.offset for c in self._caches}
+        if len(offsets) != 1:
+            return False
+        held = offsets.pop()
+        if held > len(keys):
+            # the caches hold tokens the caller did not name: drop them if possible
+            if not all(c.restore(None, len(keys)) for c in self._caches):
+                return False
+            held = len(keys)
+        frontier = self._path[-1]
+        shared = min(held, len(lease.tokens))
+        if held < frontier.end or keys[:shared] != lease.tokens[:shared]:
+            return False
+        self._path += self._trie.advance(frontier, keys[frontier.end : held], self._tick)
+        for node in self._path:
+            node.last_used = self._tick
+        return True
+
+    def _clear_live(self) -> None:
+        for cache in self._caches:
+            cache.free()
+        self._path = [self._trie.root]
+
+    def _require(self, lease: Lease[C]) -> None:
+        if lease is not self._lease:
+            raise ValueError("this lease is not the open one")
+
+    # -- eviction --
+
+    def _enforce_budget(self) -> None:
+        active = {id(n) for n in self._path}
+        while self._trie.paged_bytes > self.budget_bytes:
+            victim = self._pick_victim(active)
+            if victim is None:
+                break
+            self._evict(victim, active)
+            self._counts["evictions"] += 1
+        self._prune(active)
+
+    def _pick_victim(self, active: set[int]) -> Node | None:
+        """Off the live path first; then least recently used, deepest, largest."""
+        best: Node | None = None
+        best_key: tuple[bool, int, int, int] | None = None
+        for node in self._trie.walk():
+            if not node.has_snapshots():
+                continue
+            key = (id(node) in active, node.last_used, -node.end, -node.snapshot_bytes())
+            if best_key is None or key < best_key:
+                best, best_key = node, key
+        return best
+
+    def _evict(self, node: Node, active: set[int]) -> None:
+        if id(node) in active or len(node.children) > 1:
+            self._trie.set_snapshots(node, [])  # keep the node: a branch, or live
+        elif node.children:
+            self._trie.merge_with_child(node)
+        else:
+            parent = node.parent
+            self._trie.remove_leaf(node)
+            self._merge_chain(parent, active)
+
+    def _merge_chain(self, node: Node | None, active: set[int]) -> None:
+        """A node left with one child after a removal is no longer a branch: fold it."""
+        if node is None or node is self._trie.root or id(node) in active:
+            return
+        if node.parent is not None and len(node.children) == 1:
+            self._trie.merge_with_child(node)
+
+    def _prune(self, active: set[int]) -> None:
+        """Remove nodes off the live path with no snapshot in their subtree: nothing in
+        them can be restored."""
+        order = list(self._trie.walk())
+        useful: dict[int, bool] = {}
+        for node in reversed(order):  # descendants before ancestors
+            useful[id(node)] = (
+                id(node) in active
+                or node.has_snapshots()
+                or any(useful[id(c)] for c in node.children.values())
+            )
+        orphaned: dict[int, Node] = {}
+        for node in reversed(order):
+            if not useful[id(node)] and node.parent is not None:
+                if useful[id(node.parent)]:
+                    orphaned[id(node.parent)] = node.parent
+                self._trie.remove_leaf(node)
+        for parent in orphaned.values():
+            self._merge_chain(parent, active)
+
+    # -- inspection --
+
+    def held_snapshots(self) -> list[Snapshot]:
+        return [s for n in self._trie.walk() for s in n.snapshots if s is not None]
+
+    def stats(self) -> dict[str, int]:
+        nodes = list(self._trie.walk())
+        return {
+            **{k: self._counts[k] for k in _COUNTS},
+            "nodes": len(nodes) - 1,
+            "snapshots": sum(sum(s is not None for s in n.snapshots) for n in nodes),
+            "paged_bytes": self._trie.paged_bytes,
+            "budget_bytes": self.budget_bytes,
+            "live_tokens": self._path[-1].end,
+        }
+
+    def dump(self) -> str:
+        """The trie, one node per line; `*` marks the live path."""
+        return self._trie.dump(self._path)
+
+    def verify(self) -> None:
+        """Raise AssertionError if an invariant is broken (for tests and debugging)."""
+        self._trie.verify()
+        if self._path[0] is not self._trie.root:
+            raise AssertionError("the live path does not start at the root")
+        for upper, lower in zip(self._path, self._path[1:], strict=False):
+            if lower.parent is not upper:
+                raise AssertionError(f"live path broken between {upper} and {lower}")
+        live = self._path[-1].end
+        offsets = {c.offset for c in self._caches}
+        if self._lease is None and offsets and offsets != {live}:
+            raise AssertionError(f"live caches at {offsets}, live path ends at {live}")
+        if any(o < live for o in offsets):
+            raise AssertionError(f"live caches at {offsets} behind the live path end {live}")
+        if self._trie.paged_bytes > self.budget_bytes:
+            raise AssertionError(f"{self._trie.paged_bytes} bytes held, budget {self.budget_bytes}")
+
+
+_COUNTS = (
+    "requests",
+    "hits",
+    "prompt_tokens",
+    "reused_tokens",
+    "page_outs",
+    "evictions",
+    "restore_failures",
+    "discards",
+)
+
+
+def _shape(snap: Snapshot | None) -> tuple[int, int, int] | None:
+    return None if snap is None else (snap.base, snap.floor, snap.end)
+
+
+__all__ = ["ImageKey", "Key", "Lease", "PrefixCache", "image_keys"]
