@@ -14,6 +14,7 @@ from starlette.routing import Route
 
 from gateway.errors import APIError, InternalError
 from gateway.routes.chat import chat_completions
+from gateway.routes.debug import prefix_cache
 from gateway.routes.models import health, list_models
 from gateway.served import ServedModel
 
@@ -67,6 +68,7 @@ def create_app(load: Callable[[], ServedModel]) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/debug/prefix-cache", prefix_cache, methods=["GET"]),
     ]
     return Starlette(
         routes=routes,

@@ -37,8 +37,7 @@ def _answer(served: object, history: list[Message], args: argparse.Namespace) ->
     return "".join(out)
 
 
-def run_chat(path: Path, model_id: str, args: argparse.Namespace) -> int:
-    settings = EngineSettings(prefill_chunk=args.prefill_chunk, max_queue=args.max_queue)
+def run_chat(path: Path, model_id: str, args: argparse.Namespace, settings: EngineSettings) -> int:
     served = build_served(path, model_id=model_id, settings=settings)
     served.engine.start()
     history: list[Message] = []

@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from gateway.serving import EngineSettings
+
 DEFAULT_MODEL = "smollm2-135m"
 ENV_PREFIX = "MLX_GATEWAY_"
 
@@ -54,9 +56,46 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_bytes(text: str) -> int:
+    """'0', '512M', '4G', '1.5GiB' -> bytes."""
+    units = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+    s = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = s[-1] if s and s[-1] in "kmgt" else ""
+    try:
+        value = float(s[: len(s) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 0, 512M, 4G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("a size cannot be negative")
+    return int(value * units[unit])
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=int(_env("PREFILL_CHUNK", "2048")))
     p.add_argument("--max-queue", type=int, default=int(_env("MAX_QUEUE", "64")))
+    cache_default = os.environ.get(ENV_PREFIX + "PREFIX_CACHE_BYTES")
+    p.add_argument(
+        "--prefix-cache-bytes",
+        type=parse_bytes,
+        default=parse_bytes(cache_default) if cache_default else None,
+        help="memory for paged-out conversation state (0 turns the prefix cache off; "
+        "default: a fifth of RAM)",
+    )
+    p.add_argument(
+        "--snapshot-interval",
+        type=int,
+        default=int(_env("SNAPSHOT_INTERVAL", "1024")),
+        help="tokens between restore points inside long prompts",
+    )
+
+
+def _engine_settings(args: argparse.Namespace) -> EngineSettings:
+    return EngineSettings(
+        prefill_chunk=args.prefill_chunk,
+        max_queue=args.max_queue,
+        prefix_cache_bytes=args.prefix_cache_bytes,
+        snapshot_interval=args.snapshot_interval,
+    )
 
 
 def _resolve(name: str) -> tuple[Path, str]:
@@ -74,10 +113,10 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.serving import EngineSettings, build_served
+    from gateway.serving import build_served
 
     path, model_id = _resolve(args.model)
-    settings = EngineSettings(prefill_chunk=args.prefill_chunk, max_queue=args.max_queue)
+    settings = _engine_settings(args)
     model_id = args.model_id or model_id
     app = create_app(lambda: build_served(path, model_id=model_id, settings=settings))
     url = f"http://{connectable_host(args.host)}:{args.port}/v1"
@@ -120,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gateway.chat_cli import run_chat
 
     path, model_id = _resolve(args.model)
-    return run_chat(path, model_id, args)
+    return run_chat(path, model_id, args, _engine_settings(args))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from gateway.errors import InvalidRequest, NotFound
 if TYPE_CHECKING:
     from runtime.engine import Engine
     from runtime.loader import LoadedModel
+    from runtime.runner import ModelRunner
     from templates import Renderer
 
 
@@ -21,6 +22,7 @@ class ServedModel:
     renderer: Renderer | None
     engine: Engine
     aliases: frozenset[str] = frozenset()
+    runner: ModelRunner | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -9,6 +9,7 @@ or one decode step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -46,10 +47,9 @@ class _AsyncSink:
         self.queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
 
     def put(self, event: GenerationEvent) -> None:
-        try:
+        # the loop may have closed under us: then nobody is listening
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:  # the loop closed under us: nobody is listening
-            pass
 
 
 class _ThreadSink:

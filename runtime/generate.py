@@ -6,13 +6,13 @@ host-side work (detokenizing, stop strings, streaming) overlaps the next forward
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import mlx.core as mx
 
-from runtime.sampling import SampleResult, Sampler
+from runtime.sampling import Sampler, SampleResult
 
 DEFAULT_PREFILL_CHUNK = 2048
 
@@ -47,26 +47,38 @@ def prefill(
     *,
     chunk: int = DEFAULT_PREFILL_CHUNK,
     cancelled: Callable[[], bool] = lambda: False,
+    offset: int = 0,
+    pauses: Sequence[int] = (),
+    on_pause: Callable[[int], None] = lambda _: None,
 ) -> list[int]:
-    """Run all but the last prompt token through the model in chunks.
+    """Run all but the last of `tokens` through the model in chunks.
 
-    Returns the tokens still to be fed (at least one), whose logits start decoding.
-    Each chunk is evaluated and the allocator cache cleared, so peak memory stays
-    bounded by one chunk's activations.
+    `tokens` continue a sequence whose first `offset` tokens the caches already hold.
+    Chunks end at each absolute offset in `pauses`, where `on_pause(offset)` runs (the
+    prefix cache snapshots there). Returns the tokens still to be fed (at least one),
+    whose logits start decoding. Each chunk is evaluated and the allocator cache
+    cleared, so peak memory stays bounded by one chunk's activations.
     """
     if not tokens:
         raise ValueError("cannot generate from an empty prompt")
     rest = list(tokens)
     chunk = max(1, chunk)
-    while len(rest) > 1:
+    marks = sorted(p for p in pauses if offset < p)
+    while True:
+        if marks and marks[0] == offset:
+            on_pause(marks.pop(0))
+        if len(rest) <= 1:
+            return rest
         if cancelled():
             raise Cancelled
         n = min(chunk, len(rest) - 1)
+        if marks:
+            n = min(n, marks[0] - offset)
         model.forward(mx.array(rest[:n], dtype=mx.int32)[None], caches)
         mx.eval(_cache_arrays(caches))
         mx.clear_cache()
         rest = rest[n:]
-    return rest
+        offset += n
 
 
 def _sample_arrays(result: SampleResult) -> list[mx.array]:
@@ -78,13 +90,13 @@ def _sample_arrays(result: SampleResult) -> list[mx.array]:
 
 
 def _read(result: SampleResult) -> SampledToken:
-    token = int(result.token.item())
+    token = int(result.token.item())  # type: ignore[arg-type]
     if result.top_ids is None or result.top_logprobs is None:
         return SampledToken(token, None, ())
-    ids = result.top_ids.reshape(-1).tolist()
-    lps = result.top_logprobs.reshape(-1).tolist()
+    ids: list[int] = result.top_ids.reshape(-1).tolist()  # type: ignore[assignment]
+    lps: list[float] = result.top_logprobs.reshape(-1).tolist()  # type: ignore[assignment]
     top = tuple((int(i), float(lp)) for i, lp in zip(ids, lps, strict=True))
-    return SampledToken(token, float(result.logprob.item()), top)
+    return SampledToken(token, float(result.logprob.item()), top)  # type: ignore[arg-type]
 
 
 def _next(model: CausalLM, caches: list[Any], inputs: mx.array, sampler: Sampler) -> SampleResult:
@@ -101,32 +113,37 @@ def generate_tokens(
     max_tokens: int,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     cancelled: Callable[[], bool] = lambda: False,
-    stream: Any = None,
-) -> Iterator[SampledToken]:
+    offset: int = 0,
+    pauses: Sequence[int] = (),
+    on_pause: Callable[[int], None] = lambda _: None,
+) -> Generator[SampledToken, None, None]:
     """Yield up to max_tokens sampled tokens; the consumer stops early by closing.
 
-    `stream` is the MLX stream to run on (the engine's own); None = default.
+    `prompt` is what the caches do not hold yet (they hold `offset` tokens); `pauses`
+    and `on_pause` are passed to `prefill`. Runs on the caller's default stream.
     """
     if max_tokens <= 0:
         return
-    with mx.stream(stream if stream is not None else mx.default_stream(mx.default_device())):
-        rest = prefill(model, caches, prompt, chunk=prefill_chunk, cancelled=cancelled)
+    rest = prefill(
+        model, caches, prompt, chunk=prefill_chunk, cancelled=cancelled,
+        offset=offset, pauses=pauses, on_pause=on_pause,
+    )
+    if cancelled():
+        raise Cancelled
+    current = _next(model, caches, mx.array(rest, dtype=mx.int32)[None], sampler)
+    mx.async_eval(_sample_arrays(current))
+    for produced in range(1, max_tokens + 1):
+        pending = None
+        if produced < max_tokens:
+            # queue the next step before reading this one: the device works
+            # while the host detokenizes and streams
+            pending = _next(model, caches, current.token.reshape(1, 1), sampler)
+            mx.async_eval(_sample_arrays(pending))
+        yield _read(current)
+        if pending is None:
+            return
         if cancelled():
             raise Cancelled
-        current = _next(model, caches, mx.array(rest, dtype=mx.int32)[None], sampler)
-        mx.async_eval(_sample_arrays(current))
-        for produced in range(1, max_tokens + 1):
-            pending = None
-            if produced < max_tokens:
-                # queue the next step before reading this one: the device works
-                # while the host detokenizes and streams
-                pending = _next(model, caches, current.token.reshape(1, 1), sampler)
-                mx.async_eval(_sample_arrays(pending))
-            yield _read(current)
-            if pending is None:
-                return
-            if cancelled():
-                raise Cancelled
-            current = pending
-            if produced % 256 == 0:
-                mx.clear_cache()
+        current = pending
+        if produced % 256 == 0:
+            mx.clear_cache()

@@ -1,4 +1,4 @@
-"""Runs one request on the loaded model: sampling, detokenizing, stops, stats.
+"""Runs one request on the loaded model: prefix reuse, sampling, detokenizing, stops.
 
 Called only from the engine's worker thread, the one thread that owns MLX.
 """
@@ -6,13 +6,16 @@ Called only from the engine's worker thread, the one thread that owns MLX.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from runtime.detokenizer import DetokenizerTable, StreamingDetokenizer
 from runtime.generate import DEFAULT_PREFILL_CHUNK, Cancelled, SampledToken, generate_tokens
+from runtime.prefix_cache import PrefixCache
 from runtime.sampling import Sampler
 from runtime.stops import StopMatcher
 from runtime.types import (
@@ -31,12 +34,49 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def default_prefix_cache_bytes() -> int:
+    """A fifth of physical memory: room for many paged-out conversations, and the
+    model and live caches keep the rest."""
+    try:
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 * 1024**3
+    return int(total // 5)
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    prefix_cache_bytes: int = field(default_factory=default_prefix_cache_bytes)
+    snapshot_interval: int = 1024
+
+
+@dataclass
+class _Progress:
+    """What one request has done so far, for the finish event and the trie."""
+
+    prompt: tuple[int, ...]
+    reused: int
+    generated: list[int] = field(default_factory=list)
+    first_at: float | None = None
+    reason: FinishReason = FinishReason.LENGTH
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+    def __init__(self, loaded: LoadedModel, settings: RunnerSettings | None = None) -> None:
         self.loaded = loaded
-        self.prefill_chunk = prefill_chunk
+        self.settings = settings or RunnerSettings()
         tok = loaded.tokenizer
         self._detok_table = DetokenizerTable.build(tok.hf, tok.special_ids)
+        self.prefix: PrefixCache[Any] = PrefixCache(
+            loaded.model.make_caches,
+            budget_bytes=self.settings.prefix_cache_bytes,
+            snapshot_interval=self.settings.snapshot_interval,
+        )
+        # held while a request runs, so a dump from another thread sees a settled trie
+        self.lock = threading.Lock()
         self._stream: Any = None
 
     def _token_text(self, token_id: int) -> str:
@@ -48,81 +88,103 @@ class ModelRunner:
         logprob = sampled.logprob if sampled.logprob is not None else 0.0
         return (TokenLogprob(sampled.token_id, text, logprob, top),)
 
+    def dump_prefix_cache(self) -> str:
+        with self.lock:
+            return self.prefix.dump()
+
     def run(self, handle: RequestHandle) -> Finished:
         if self._stream is None:
             self._stream = mx.new_stream(mx.default_device())
+        with self.lock, mx.stream(self._stream):
+            return self._run(handle)
+
+    def _run(self, handle: RequestHandle) -> Finished:
         req = handle.request
         prompt = req.prompt_tokens
-        limit = self.loaded.context_length - len(prompt)
-        if limit <= 0:
+        room = self.loaded.context_length - len(prompt)
+        if room <= 0:
             raise ValueError(
                 f"prompt of {len(prompt)} tokens leaves no room in the "
                 f"{self.loaded.context_length}-token context"
             )
-        max_tokens = min(req.max_tokens, limit)
-        sampler = Sampler(req.sampling, self.loaded.model.args.vocab_size, prompt)
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        lease = self.prefix.begin(prompt)
+        progress = _Progress(prompt, lease.reused)
+        tokens = generate_tokens(
+            self.loaded.model,
+            lease.caches,
+            prompt[lease.reused :],
+            Sampler(req.sampling, self.loaded.model.args.vocab_size, prompt),
+            max_tokens=min(req.max_tokens, room),
+            prefill_chunk=req.prefill_chunk or self.settings.prefill_chunk,
+            cancelled=lambda: handle.cancelled,
+            offset=lease.reused,
+            pauses=lease.snapshot_points,
+            on_pause=lambda at: self.prefix.snapshot_at(lease, at),
+        )
+        try:
+            self._stream_tokens(handle, tokens, progress)
+        except Cancelled:
+            progress.reason = FinishReason.CANCELLED
+        except BaseException:
+            tokens.close()
+            self.prefix.discard(lease)  # the caches may hold half a step: never reuse them
+            raise
+        tokens.close()
+        held = lease.caches[0].offset if lease.caches else 0
+        self.prefix.end(lease, (prompt + tuple(progress.generated))[:held])
+        return self._finish(progress, start)
+
+    def _stream_tokens(
+        self, handle: RequestHandle, tokens: Any, progress: _Progress
+    ) -> None:
+        req = handle.request
         detok = StreamingDetokenizer(self._detok_table)
         stops = StopMatcher(req.stop_strings)
         eos = self.loaded.eos_token_ids | frozenset(req.stop_token_ids)
-        want_logprobs = req.sampling.logprobs
+        for sampled in tokens:
+            if progress.first_at is None:
+                progress.first_at = time.perf_counter()
+            progress.generated.append(sampled.token_id)
+            logprobs = self._logprobs(sampled) if req.sampling.logprobs else ()
+            if sampled.token_id in eos:
+                progress.reason = FinishReason.STOP
+                handle._emit(TextDelta(_drain(detok, stops)[0], (sampled.token_id,), logprobs))
+                return
+            text, hit = stops.feed(detok.add(sampled.token_id))
+            handle._emit(TextDelta(text, (sampled.token_id,), logprobs))
+            if hit:
+                progress.reason = FinishReason.STOP
+                return
+            if handle.cancelled:
+                progress.reason = FinishReason.CANCELLED
+                return
+        tail, hit = _drain(detok, stops)
+        if tail:
+            handle._emit(TextDelta(tail))
+        if hit:
+            progress.reason = FinishReason.STOP
 
-        mx.reset_peak_memory()
-        start = time.perf_counter()
-        first_at: float | None = None
-        produced = 0
-        reason = FinishReason.LENGTH
-        tokens = generate_tokens(
-            self.loaded.model,
-            self.loaded.model.make_caches(),
-            prompt,
-            sampler,
-            max_tokens=max_tokens,
-            prefill_chunk=req.prefill_chunk or self.prefill_chunk,
-            cancelled=lambda: handle.cancelled,
-            stream=self._stream,
-        )
-        try:
-            for sampled in tokens:
-                if first_at is None:
-                    first_at = time.perf_counter()
-                produced += 1
-                logprobs = self._logprobs(sampled) if want_logprobs else ()
-                if sampled.token_id in eos:
-                    reason = FinishReason.STOP
-                    handle._emit(TextDelta(_drain(detok, stops)[0], (sampled.token_id,), logprobs))
-                    break
-                text, hit = stops.feed(detok.add(sampled.token_id))
-                handle._emit(TextDelta(text, (sampled.token_id,), logprobs))
-                if hit:
-                    reason = FinishReason.STOP
-                    break
-                if handle.cancelled:
-                    reason = FinishReason.CANCELLED
-                    break
-            else:
-                tail, hit = _drain(detok, stops)
-                if tail:
-                    handle._emit(TextDelta(tail))
-                if hit:
-                    reason = FinishReason.STOP
-        except Cancelled:
-            reason = FinishReason.CANCELLED
-        finally:
-            tokens.close()
+    def _finish(self, progress: _Progress, start: float) -> Finished:
         end = time.perf_counter()
-        first = first_at if first_at is not None else end
+        first = progress.first_at if progress.first_at is not None else end
         stats = GenerationStats(
-            prompt_tokens=len(prompt),
-            completion_tokens=produced,
+            prompt_tokens=len(progress.prompt),
+            completion_tokens=len(progress.generated),
+            cached_tokens=progress.reused,
             prefill_seconds=first - start,
             decode_seconds=end - first,
             peak_memory_bytes=int(mx.get_peak_memory()),
         )
         log.debug(
-            "request done: %s prompt=%d completion=%d prefill=%.1f tok/s decode=%.1f tok/s",
-            reason.value, stats.prompt_tokens, produced, stats.prefill_tps, stats.decode_tps,
+            "request %s: prompt=%d reused=%d computed=%d completion=%d "
+            "prefill=%.1f tok/s decode=%.1f tok/s",
+            progress.reason.value, stats.prompt_tokens, progress.reused,
+            stats.prompt_tokens - progress.reused, stats.completion_tokens,
+            stats.prefill_tps, stats.decode_tps,
         )
-        return Finished(reason, stats)
+        return Finished(progress.reason, stats)
 
 
 def _drain(detok: StreamingDetokenizer, stops: StopMatcher) -> tuple[str, bool]:

@@ -177,3 +177,19 @@ def test_sdk_raises_typed_errors(client: Any) -> None:
         client.chat.completions.create(model="nope", messages=HELLO)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[])
+
+
+def test_prefix_cache_reuses_a_conversation(base_url: str) -> None:
+    system = {"role": "system", "content": "You are a terse assistant. " * 20}
+    first = [system, {"role": "user", "content": "List two fruits."}]
+    req = {"model": MODEL, "messages": first, "max_tokens": 12, "temperature": 0}
+    a = ChatCompletion.model_validate(_post(base_url, req).json())
+    again = ChatCompletion.model_validate(_post(base_url, req).json())
+    assert again.choices[0].message.content == a.choices[0].message.content
+    cached = again.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert again.usage.prompt_tokens - 8 <= cached < again.usage.prompt_tokens  # type: ignore[union-attr]
+    turn2 = [*first, {"role": "assistant", "content": a.choices[0].message.content}, {"role": "user", "content": "One more."}]
+    b = ChatCompletion.model_validate(_post(base_url, {**req, "messages": turn2}).json())
+    assert b.usage.prompt_tokens_details.cached_tokens >= a.usage.prompt_tokens - 8  # type: ignore[union-attr]
+    dump = httpx.get(f"{base_url}/debug/prefix-cache").json()
+    assert dump["stats"]["hits"] >= 2 and dump["trie"]
