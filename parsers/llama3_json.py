@@ -1,0 +1,110 @@
+"""Llama 3.x JSON tool calls: the whole message is the call,
+
+    {"name": "get_weather", "parameters": {"city": "Paris"}}
+
+optionally after `<|python_tag|>`, several separated by ";". Only JSON that opens the
+message (or follows the tag) can be a call; any key other than name, parameters,
+arguments or type means it is an ordinary JSON answer, given back as content at once.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum, auto
+
+from parsers._calls import Out, ToolCalls
+from parsers._json_call import CallObjectSink, Outcome, end_call, feed_call
+from parsers._json_stream import ObjectScanner
+from parsers._scan import NO_MARKERS, Machine, Markers
+from parsers._schema import ToolSet
+from parsers.events import Event
+
+PYTHON_TAG = "<|python_tag|>"
+_SPACE = re.compile(r"\s*")
+_GAP = re.compile(r"[\s;]*")
+
+
+class _L(Enum):
+    START = auto()  # the message (or the text after the tag) has not begun yet
+    CALL = auto()
+    BETWEEN = auto()  # after a call: ";" or whitespace, then maybe another
+    CONTENT = auto()
+
+
+class Llama3JsonFormat(Machine):
+    openers = (PYTHON_TAG,)
+
+    def __init__(self, tools: ToolSet) -> None:
+        super().__init__()
+        self._out = Out()
+        self._calls = ToolCalls(tools, self._out)
+        self._state = _L.START
+        self._tag = ""  # a python tag (and padding) not yet known to start a call
+        self._scanner = self._new_scanner()
+        self._m_tag = Markers(PYTHON_TAG)
+
+    def _new_scanner(self) -> ObjectScanner:
+        return ObjectScanner(CallObjectSink(self._calls, strict_keys=True))
+
+    def feed(self, text: str) -> list[Event]:
+        self._run(text)
+        return self._out.take()
+
+    def finish(self) -> list[Event]:
+        self._run("", final=True)
+        if self._state is _L.CALL:
+            end_call(self._calls, self._scanner)
+        self._out.content(self._tag)
+        self._tag = ""
+        self._out.flush()
+        return self._out.take()
+
+    def _markers(self) -> Markers:
+        return self._m_tag if self._state in (_L.START, _L.CONTENT) else NO_MARKERS
+
+    def _on_text(self, text: str) -> int:
+        state = self._state
+        if state is _L.CONTENT:
+            self._out.content(text)
+        elif state is _L.CALL:
+            used, outcome = feed_call(self._calls, self._scanner, text)
+            if outcome is not Outcome.MORE:
+                self._state = _L.BETWEEN if outcome is Outcome.ENDED else _L.CONTENT
+            return used
+        else:
+            gap = _GAP if state is _L.BETWEEN else _SPACE
+            hit = gap.match(text)
+            lead = hit.end() if hit else 0
+            if lead == len(text):
+                self._pad(text)
+                return lead
+            self._pad(text[:lead])
+            if text[lead] == "{":
+                self._begin()
+            else:
+                self._to_content()
+            return lead
+        return len(text)
+
+    def _pad(self, text: str) -> None:
+        if self._state is _L.START:
+            if self._tag:
+                self._tag += text
+            else:
+                self._out.content(text)  # held back by Out until it is known what follows
+
+    def _begin(self) -> None:
+        self._calls.begin(self._out.take_ws() + self._tag)
+        self._tag = ""
+        self._scanner = self._new_scanner()
+        self._state = _L.CALL
+
+    def _to_content(self) -> None:
+        self._out.content(self._tag)
+        self._tag = ""
+        self._state = _L.CONTENT
+
+    def _on_marker(self, marker: str) -> None:
+        self._out.content(self._tag)
+        self._tag = self._out.take_ws() + marker
+        self._state = _L.START
