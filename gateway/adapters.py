@@ -20,9 +20,20 @@ MAX_STOP_STRINGS = 16
 
 
 @dataclass(frozen=True)
+class ToolPlan:
+    """Which tools the model sees and how a call is demanded of it."""
+
+    tools: tuple[Tool, ...] = ()  # rendered into the prompt
+    schemas: tuple[dict[str, Any], ...] = ()  # OpenAI-shaped, for the output parser
+    choice: str = "none"  # "none" | "auto" | "required" | "named"
+    name: str | None = None  # the function, for choice "named"
+    parallel: bool = True
+
+
+@dataclass(frozen=True)
 class ChatPlan:
     messages: tuple[Message, ...]
-    tools: tuple[Tool, ...]
+    tools: ToolPlan
     options: RenderOptions
     sampling: SamplingParams
     max_tokens: int | None
@@ -136,15 +147,56 @@ def sampling_params(req: wire.ChatCompletionRequest, vocab_size: int) -> Samplin
     )
 
 
-def _refuse_unsupported(req: wire.ChatCompletionRequest) -> None:
-    if req.n not in (None, 1):
-        raise InvalidRequest("n > 1 is not supported by this server yet; send n=1", param="n")
-    if req.tools and req.tool_choice != "none":
+def _tool_choice(choice: str | dict[str, Any] | None, names: set[str]) -> tuple[str, str | None]:
+    if choice is None:
+        return ("auto" if names else "none"), None
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise InvalidRequest(
+                f"tool_choice {choice!r} is not one of none, auto, required or a named function",
+                param="tool_choice",
+            )
+        if choice == "required" and not names:
+            raise InvalidRequest("tool_choice 'required' needs a non-empty tools list", param="tools")
+        return (choice if names else "none"), None
+    function = choice.get("function") if choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
         raise InvalidRequest(
-            "tool calling is not supported by this server yet; omit tools or set "
+            'a named tool_choice must look like {"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
+    if name not in names:
+        raise InvalidRequest(f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
+    return "named", name
+
+
+def tool_plan(req: wire.ChatCompletionRequest, *, supported: bool) -> ToolPlan:
+    tools = req.tools or []
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("tool names must be unique", param="tools")
+    choice, name = _tool_choice(req.tool_choice, set(names))
+    if choice == "none":
+        return ToolPlan()  # tool_choice none: tools are neither rendered nor parsed
+    if not supported:
+        raise InvalidRequest(
+            "this model's chat template has no tool-calling format; omit tools or set "
             "tool_choice to 'none'",
             param="tools",
         )
+    rendered = tuple(
+        Tool(t.function.name, t.function.description, MappingProxyType(t.function.parameters or {}))
+        for t in tools
+    )
+    schemas = tuple(t.model_dump(exclude_none=True) for t in tools)
+    parallel = True if req.parallel_tool_calls is None else req.parallel_tool_calls
+    return ToolPlan(rendered, schemas, choice, name, parallel)
+
+
+def _refuse_unsupported(req: wire.ChatCompletionRequest) -> None:
+    if req.n not in (None, 1):
+        raise InvalidRequest("n > 1 is not supported by this server yet; send n=1", param="n")
     if req.response_format is not None and req.response_format.type != "text":
         raise InvalidRequest(
             f"response_format {req.response_format.type!r} is not supported yet; "
@@ -166,12 +218,12 @@ def _options(req: wire.ChatCompletionRequest) -> RenderOptions:
     )
 
 
-def chat_plan(req: wire.ChatCompletionRequest, *, vocab_size: int) -> ChatPlan:
+def chat_plan(req: wire.ChatCompletionRequest, *, vocab_size: int, tools_supported: bool) -> ChatPlan:
     _refuse_unsupported(req)
     max_tokens = req.max_completion_tokens or req.max_tokens
     return ChatPlan(
         messages=to_messages(req.messages),
-        tools=(),  # tools are refused above unless tool_choice is "none"
+        tools=tool_plan(req, supported=tools_supported),
         options=_options(req),
         sampling=sampling_params(req, vocab_size),
         max_tokens=max_tokens,

@@ -15,7 +15,7 @@ def _answer(served: object, history: list[Message], args: argparse.Namespace) ->
     from gateway.served import ServedModel
 
     assert isinstance(served, ServedModel)
-    if served.renderer is None:
+    if not served.caps.chat:
         raise SystemExit(f"error: {served.id} has no chat template; use the HTTP completions API")
     text = served.renderer.render(tuple(history), (), RenderOptions())
     tokens = served.loaded.tokenizer.encode_prompt(text)

@@ -16,13 +16,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(stats: GenerationStats) -> dict[str, Any]:
+def usage(stats: GenerationStats, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
         "total_tokens": stats.prompt_tokens + stats.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
     }
 
 
@@ -65,22 +65,23 @@ class ChatStream:
             "choices": [choice],
         }
 
-    def usage_chunk(self, stats: GenerationStats) -> dict[str, Any]:
+    def usage_chunk(self, stats: GenerationStats, reasoning_tokens: int = 0) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
             "choices": [],
-            "usage": usage(stats),
+            "usage": usage(stats, reasoning_tokens),
         }
 
     def completion(
         self,
-        content: str,
+        message: dict[str, Any],
         finish_reason: str,
         stats: GenerationStats,
         logprobs: list[dict[str, Any]] | None,
+        reasoning_tokens: int = 0,
     ) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -91,10 +92,10 @@ class ChatStream:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": content},
+                    "message": message,
                     "logprobs": {"content": logprobs} if logprobs is not None else None,
                     "finish_reason": finish_reason,
                 }
             ],
-            "usage": usage(stats),
+            "usage": usage(stats, reasoning_tokens),
         }

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gateway.capabilities import Capabilities
 from gateway.errors import InvalidRequest, NotFound
 
 if TYPE_CHECKING:
@@ -19,8 +20,9 @@ if TYPE_CHECKING:
 class ServedModel:
     id: str
     loaded: LoadedModel
-    renderer: Renderer | None
+    renderer: Renderer
     engine: Engine
+    caps: Capabilities
     aliases: frozenset[str] = frozenset()
     runner: ModelRunner | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -35,7 +37,7 @@ class ServedModel:
 
     @property
     def vision(self) -> bool:
-        return False  # the vision architectures arrive in a later issue
+        return self.caps.vision
 
     def check_model(self, name: str) -> None:
         if name != self.id and name not in self.aliases:

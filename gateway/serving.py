@@ -1,4 +1,4 @@
-"""Builds what the server serves from a model source: load, renderer, engine."""
+"""Builds what the server serves from a model source: load, renderer, parser, engine."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.capabilities import detect
 from gateway.served import ServedModel
 
 log = logging.getLogger(__name__)
@@ -18,6 +19,8 @@ class EngineSettings:
     max_queue: int = 64
     prefix_cache_bytes: int | None = None  # None = the runtime's default share of memory
     snapshot_interval: int = 1024
+    template_family: str | None = None  # force a built-in renderer
+    parser: str | None = None  # force an output parser
 
 
 def build_served(
@@ -32,21 +35,30 @@ def build_served(
     from runtime.engine import Engine
     from runtime.loader import LoadedModel, load
     from runtime.runner import ModelRunner, RunnerSettings
-    from templates import TemplateError, renderer_for
+    from templates import MissingTemplateRenderer, builtin_family_for, renderer_for
 
     settings = settings or EngineSettings()
     model = loaded if isinstance(loaded, LoadedModel) else load(path)
     tok = model.tokenizer
-    try:
-        renderer = renderer_for(
-            model.chat_template,
-            bos_token=tok.bos_token,
-            eos_token=tok.eos_token,
-            model_type=str(model.config.get("model_type", "")),
-        )
-    except TemplateError as exc:
-        log.warning("%s: %s; only raw completions will work", model_id, exc)
-        renderer = None
+    model_type = str(model.config.get("model_type", ""))
+    renderer = renderer_for(
+        model.chat_template,
+        bos_token=tok.bos_token,
+        eos_token=tok.eos_token,
+        model_type=model_type,
+        prefer_builtin=settings.template_family,
+    )
+    has_template = bool(model.chat_template and model.chat_template.strip())
+    family = settings.template_family or (None if has_template else builtin_family_for(model_type))
+    caps = detect(
+        model_type=model_type,
+        chat_template=model.chat_template if family is None else None,
+        builtin_family=family,
+        parser_override=settings.parser,
+    )
+    if isinstance(renderer, MissingTemplateRenderer):
+        log.warning("%s has no chat template; only raw completions will work", model_id)
+        caps = dataclasses.replace(caps, chat=False)
     runner_settings = RunnerSettings(
         prefill_chunk=settings.prefill_chunk, snapshot_interval=settings.snapshot_interval
     )
@@ -56,6 +68,13 @@ def build_served(
         )
     runner = ModelRunner(model, runner_settings)
     engine = Engine(runner, max_queue=settings.max_queue)
+    log.info("%s: capabilities %s", model_id, caps.card())
     return ServedModel(
-        id=model_id, loaded=model, renderer=renderer, engine=engine, aliases=aliases, runner=runner
+        id=model_id,
+        loaded=model,
+        renderer=renderer,
+        engine=engine,
+        caps=caps,
+        aliases=aliases,
+        runner=runner,
     )

@@ -11,6 +11,7 @@ from templates.qwen35 import Qwen35Renderer
 from templates.registry import (
     MissingTemplateRenderer,
     builtin_families,
+    builtin_family_for,
     builtin_model_types,
     builtin_renderer,
     renderer_for,
@@ -50,6 +51,7 @@ __all__ = [
     "Tool",
     "ToolCall",
     "builtin_families",
+    "builtin_family_for",
     "builtin_model_types",
     "builtin_renderer",
     "renderer_for",

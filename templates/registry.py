@@ -72,6 +72,11 @@ def builtin_model_types() -> frozenset[str]:
     return frozenset(_MODEL_TYPES)
 
 
+def builtin_family_for(model_type: str | None) -> str | None:
+    """The built-in family a model without a template gets by its model_type, if any."""
+    return _MODEL_TYPES.get(model_type or "")
+
+
 def builtin_renderer(family: str, *, bos_token: str | None, eos_token: str | None) -> Renderer:
     """The built-in renderer for `family`; TemplateError names the known ones otherwise."""
     factory = _FAMILIES.get(family)

@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions, streaming and not."""
+"""POST /v1/chat/completions, streaming and not, with reasoning and tool calls."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from sse_starlette.sse import EventSourceResponse
@@ -14,12 +15,13 @@ from starlette.responses import JSONResponse, Response
 
 import parsers
 from gateway import adapters
+from gateway.capabilities import tool_call_opener
+from gateway.chat_output import ChatOutput
 from gateway.errors import InternalError, InvalidRequest, Overloaded
 from gateway.http import read_json, validate
 from gateway.openai_format import FINISH, ChatStream, logprobs_content
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.served import ServedModel
-from parsers.events import Content
 from runtime.engine import QueueFull, RequestHandle
 from runtime.types import Finished, FinishReason, GenerationRequest, TextDelta, TokenLogprob
 from templates import TemplateError
@@ -29,23 +31,53 @@ log = logging.getLogger(__name__)
 KEEPALIVE_SECONDS = 10
 
 
-def _prompt(served: ServedModel, plan: adapters.ChatPlan) -> list[int]:
+@dataclass(frozen=True)
+class Prepared:
+    """A rendered request: prompt tokens, and how to read what the model writes."""
+
+    tokens: list[int]
+    parser_name: str
+    think: parsers.ThinkMode
+    prefix: str  # text the prompt ends with that belongs to the reply (forced tool call)
+
+
+def _render(served: ServedModel, plan: adapters.ChatPlan) -> str:
     if adapters.has_images(plan.messages) and not served.vision:
         raise InvalidRequest(
             f"The model {served.id!r} has no vision: send text content only.",
             param="messages",
             code="model_has_no_vision",
         )
-    if served.renderer is None:
-        raise InvalidRequest(
-            f"The model {served.id!r} has no chat template; use /v1/completions with a raw prompt.",
-            param="model",
-        )
     try:
-        text = served.renderer.render(plan.messages, plan.tools, plan.options)
+        return served.renderer.render(plan.messages, plan.tools.tools, plan.options)
     except TemplateError as exc:
         raise InvalidRequest(f"The chat template rejected these messages: {exc}", param="messages") from None
-    return served.loaded.tokenizer.encode_prompt(text)
+
+
+def prepare(served: ServedModel, plan: adapters.ChatPlan) -> Prepared:
+    text = _render(served, plan)
+    caps = served.caps
+    think: parsers.ThinkMode = parsers.think_mode(text) if caps.thinking else False
+    prefix = ""
+    if plan.tools.choice in ("required", "named"):
+        opener = tool_call_opener(caps.parser, plan.tools.name)
+        if opener is None:
+            raise InvalidRequest(
+                f"tool_choice {plan.tools.choice!r} cannot be enforced for this model's "
+                "tool-call format; use 'auto'",
+                param="tool_choice",
+            )
+        # a prompt that leaves the model inside <think> is closed first: the call comes now
+        prefix = ("</think>\n\n" if think == "open" else "") + opener
+    tokens = served.loaded.tokenizer.encode_prompt(text + prefix)
+    return Prepared(tokens, caps.parser, think, prefix)
+
+
+def _new_parser(prep: Prepared, plan: adapters.ChatPlan) -> parsers.Parser:
+    parser = parsers.create(prep.parser_name, tools=plan.tools.schemas or None, think=prep.think)
+    if prep.prefix:
+        parser.feed(prep.prefix)  # the opener is part of the reply; it emits nothing yet
+    return parser
 
 
 def _submit(served: ServedModel, request: GenerationRequest) -> RequestHandle:
@@ -61,45 +93,54 @@ async def chat_completions(request: Request) -> Response:
     served: ServedModel = request.app.state.served
     req = validate(ChatCompletionRequest, await read_json(request))
     served.check_model(req.model)
-    plan = adapters.chat_plan(req, vocab_size=served.vocab_size)
-    tokens = _prompt(served, plan)
-    max_tokens = served.check_fits(len(tokens), plan.max_tokens)
-    gen = GenerationRequest(tuple(tokens), max_tokens, plan.sampling, plan.stop)
-    handle = _submit(served, gen)
+    plan = adapters.chat_plan(req, vocab_size=served.vocab_size, tools_supported=served.caps.tools)
+    prep = prepare(served, plan)
+    max_tokens = served.check_fits(len(prep.tokens), plan.max_tokens)
+    handle = _submit(served, GenerationRequest(tuple(prep.tokens), max_tokens, plan.sampling, plan.stop))
     fmt = ChatStream(model=served.id)
     if plan.stream:
         return EventSourceResponse(
-            _stream(handle, fmt, plan), ping=KEEPALIVE_SECONDS, send_timeout=30
+            _stream(handle, fmt, plan, _new_parser(prep, plan)), ping=KEEPALIVE_SECONDS, send_timeout=30
         )
-    return JSONResponse(await _until_disconnect(request, handle, _collect(handle, fmt, plan)))
+    work = _collect(handle, fmt, plan, _new_parser(prep, plan))
+    return JSONResponse(await _until_disconnect(request, handle, work))
+
+
+def _finish_reason(done: Finished, out: ChatOutput) -> str:
+    if done.reason is FinishReason.STOP and out.has_calls:
+        return "tool_calls"
+    return FINISH.get(done.reason, "stop")
 
 
 async def _stream(
-    handle: RequestHandle, fmt: ChatStream, plan: adapters.ChatPlan
+    handle: RequestHandle, fmt: ChatStream, plan: adapters.ChatPlan, parser: parsers.Parser
 ) -> AsyncIterator[dict[str, Any]]:
-    parser = parsers.create("passthrough")
+    out = ChatOutput(parallel=plan.tools.parallel)
     want_logprobs = plan.sampling.logprobs
     try:
         yield _data(fmt.chunk({"role": "assistant", "content": ""}))
         async for event in handle:
             if isinstance(event, TextDelta):
-                text = "".join(e.text for e in parser.feed(event.text) if isinstance(e, Content))
+                events = parser.feed(event.text)
+                out.count_tokens(events, len(event.token_ids))
+                deltas = out.deltas(events)
                 lp = logprobs_content(event.logprobs) if want_logprobs else None
-                if text or lp:
-                    yield _data(fmt.chunk({"content": text}, logprobs=lp))
+                if lp and not deltas:
+                    deltas = [{"content": ""}]
+                for i, delta in enumerate(deltas):
+                    yield _data(fmt.chunk(delta, logprobs=lp if i == 0 else None))
                 continue
-            tail = "".join(e.text for e in parser.finish() if isinstance(e, Content))
-            if tail:
-                yield _data(fmt.chunk({"content": tail}))
+            for delta in out.deltas(parser.finish()):
+                yield _data(fmt.chunk(delta))
             if event.reason is FinishReason.ERROR:
                 log.error("generation failed mid-stream: %s", event.error)
                 yield _data(InternalError(f"generation failed: {event.error}").openai_body())
                 break
             if event.reason is FinishReason.CANCELLED:
                 break
-            yield _data(fmt.chunk({}, finish_reason=FINISH[event.reason]))
+            yield _data(fmt.chunk({}, finish_reason=_finish_reason(event, out)))
             if plan.include_usage:
-                yield _data(fmt.usage_chunk(event.stats))
+                yield _data(fmt.usage_chunk(event.stats, out.reasoning_tokens))
         yield {"data": "[DONE]"}
     finally:
         handle.cancel()  # a no-op when finished; frees the engine when the client left
@@ -109,23 +150,26 @@ def _data(payload: dict[str, Any]) -> dict[str, Any]:
     return {"data": json.dumps(payload, ensure_ascii=False)}
 
 
-async def _collect(handle: RequestHandle, fmt: ChatStream, plan: adapters.ChatPlan) -> dict[str, Any]:
-    parser = parsers.create("passthrough")
-    content: list[str] = []
+async def _collect(
+    handle: RequestHandle, fmt: ChatStream, plan: adapters.ChatPlan, parser: parsers.Parser
+) -> dict[str, Any]:
+    out = ChatOutput(parallel=plan.tools.parallel)
     logprobs: list[TokenLogprob] = []
     done: Finished | None = None
     async for event in handle:
         if isinstance(event, TextDelta):
-            content += [e.text for e in parser.feed(event.text) if isinstance(e, Content)]
+            events = parser.feed(event.text)
+            out.count_tokens(events, len(event.token_ids))
+            out.deltas(events)
             logprobs.extend(event.logprobs)
         else:
             done = event
-    content += [e.text for e in parser.finish() if isinstance(e, Content)]
+    out.deltas(parser.finish())
     assert done is not None
     if done.reason is FinishReason.ERROR:
         raise InternalError(f"generation failed: {done.error}")
     lp = logprobs_content(logprobs) if plan.sampling.logprobs else None
-    return fmt.completion("".join(content), FINISH.get(done.reason, "stop"), done.stats, lp)
+    return fmt.completion(out.message(), _finish_reason(done, out), done.stats, lp, out.reasoning_tokens)
 
 
 async def _until_disconnect(request: Request, handle: RequestHandle, work: Any) -> Any:

@@ -19,12 +19,7 @@ def model_card(served: ServedModel) -> dict[str, object]:
         "source": str(loaded.source),
         "dtype": loaded.dtype,
         "quantized": loaded.quantized,
-        "capabilities": {
-            "chat": served.renderer is not None,
-            "vision": served.vision,
-            "tools": False,
-            "thinking": False,
-        },
+        "capabilities": served.caps.card(),
     }
 
 
