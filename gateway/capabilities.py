@@ -87,15 +87,16 @@ def detect(
 def tool_call_opener(parser: str, name: str | None) -> str | None:
     """Text that starts the assistant turn inside the family's tool-call syntax
     (and the named function), so the model can only continue a call."""
+    # with a name, the arguments object is opened too: the model can only fill it in
     if parser in ("hermes", "qwen2.5", "qwen3"):
-        return '<tool_call>\n{"name": "' + (name + '", "arguments": ' if name else "")
+        return '<tool_call>\n{"name": "' + (name + '", "arguments": {' if name else "")
     if parser in ("qwen3-coder", "qwen3.5"):
         return "<tool_call>\n<function=" + (name + ">\n" if name else "")
     if parser.startswith("glm-"):
         return "<tool_call>" + (name or "")
     if parser.startswith("deepseek"):
         begin = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
-        return begin + (name + "<｜tool▁sep｜>" if name else "")
+        return begin + (name + "<｜tool▁sep｜>{" if name else "")
     if parser == "llama3-json":
-        return '{"name": "' + (name + '", "parameters": ' if name else "")
+        return '{"name": "' + (name + '", "parameters": {' if name else "")
     return None

@@ -66,6 +66,30 @@ def W(city: str, **more: Any) -> Call:
 HERMES = [
     Case("plain", "hermes", "Hello, world!\n", content="Hello, world!\n"),
     Case(
+        "bare call object opening the reply",
+        "hermes",
+        ' {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}',
+        calls=(W("Paris", days=3),),
+    ),
+    Case(
+        "bare JSON answer stays content",
+        "hermes",
+        '{"name": "get_weather", "city": "Paris"}',
+        content='{"name": "get_weather", "city": "Paris"}',
+    ),
+    Case(
+        "bare call of an undeclared tool stays content",
+        "hermes",
+        '{"name": "launch", "arguments": {}}',
+        content='{"name": "launch", "arguments": {}}',
+    ),
+    Case(
+        "JSON after text is not a call",
+        "hermes",
+        'Try {"name": "get_weather", "arguments": {"city": "Rome"}}',
+        content='Try {"name": "get_weather", "arguments": {"city": "Rome"}}',
+    ),
+    Case(
         "one call",
         "hermes",
         'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',

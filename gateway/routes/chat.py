@@ -60,7 +60,10 @@ def prepare(served: ServedModel, plan: adapters.ChatPlan) -> Prepared:
     think: parsers.ThinkMode = parsers.think_mode(text) if caps.thinking else False
     prefix = ""
     if plan.tools.choice in ("required", "named"):
-        opener = tool_call_opener(caps.parser, plan.tools.name)
+        # with one tool, "required" can only mean that tool: name it, so the model
+        # cannot wander off into an undeclared one
+        only = plan.tools.tools[0].name if len(plan.tools.tools) == 1 else None
+        opener = tool_call_opener(caps.parser, plan.tools.name or only)
         if opener is None:
             raise InvalidRequest(
                 f"tool_choice {plan.tools.choice!r} cannot be enforced for this model's "
