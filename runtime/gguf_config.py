@@ -180,7 +180,6 @@ def hf_config(gf: GGUFFile) -> dict[str, Any]:
         "rope_theta": _float(gf, "rope.freq_base", 10_000.0),
         "vocab_size": _vocab_size(gf),
         "tie_word_embeddings": "output.weight" not in gf.tensors,
-        "torch_dtype": "float32",
     }
     scaling = _rope_scaling(gf)
     if scaling is not None:

@@ -93,7 +93,8 @@ def load(
 ) -> LoadedModel:
     """Load a HF folder, an MLX-quantized folder or a GGUF file (see module docstring).
 
-    ``dtype``: float dtype of the weights (None: float32 on CPU, bfloat16 elsewhere).
+    ``dtype``: float dtype of the weights (None: float32 on CPU, bfloat16 elsewhere, and
+    for weights kept quantized the dtype of their scales, see the module docstring).
     ``keep_quantized``: override the precision policy (None: dequantize on CPU only).
     """
     path = Path(source).expanduser()
@@ -146,12 +147,10 @@ def _context_length(config: Mapping[str, Any]) -> int:
     return _DEFAULT_CONTEXT
 
 
-def _finish(
-    model: LanguageModel, weights: dict[str, mx.array], *, strict: bool = True
-) -> LanguageModel:
-    model.load_weights(list(model.sanitize(weights).items()), strict=strict)
+def _finish(model: LanguageModel, weights: dict[str, mx.array]) -> None:
+    """Strict load (a missing or extra tensor is an error), then materialize."""
+    model.load_weights(list(model.sanitize(weights).items()), strict=True)
     mx.eval(model.parameters())
-    return model
 
 
 def _quantize_modules(model: LanguageModel, params: Mapping[str, Mapping[str, Any]]) -> None:
