@@ -40,19 +40,53 @@ class ChatPlan:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    n: int = 1
+    max_tokens_field: str = "max_tokens"  # the field the client used, for error messages
+
+
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+_IMAGE_PARTS = frozenset({"image_url", "input_image"})
+
+
+def _missing(where: str, kind: str, field: str) -> InvalidRequest:
+    return InvalidRequest(f"{where} has type {kind!r} but no {field!r}", param=f"{where}.{field}")
+
+
+def _part(part: wire.ContentPart, where: str) -> TextPart | ImagePart:
+    kind = part.type
+    if kind in _TEXT_PARTS:
+        if part.text is None:
+            raise _missing(where, kind, "text")
+        return TextPart(part.text)
+    if kind == "refusal":
+        if part.refusal is None:
+            raise _missing(where, kind, "refusal")
+        return TextPart(part.refusal)
+    if kind in _IMAGE_PARTS:
+        if part.image_url is None:
+            raise _missing(where, kind, "image_url")
+        url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
+        return ImagePart(url)
+    raise InvalidRequest(
+        f"{where} has type {kind!r}, which this server cannot read; send text parts "
+        "(or image_url parts to a model with vision)",
+        param=f"{where}.type",
+    )
 
 
 def _content(msg: wire.ChatMessage, index: int) -> str | tuple[TextPart | ImagePart, ...] | None:
-    if msg.content is None or isinstance(msg.content, str):
+    if msg.content is None:
+        if msg.role == "assistant":
+            return msg.refusal  # null content is fine next to tool_calls (or a refusal)
+        raise InvalidRequest(
+            f"messages[{index}] (role {msg.role!r}) has no content",
+            param=f"messages[{index}].content",
+        )
+    if isinstance(msg.content, str):
         return msg.content
-    parts: list[TextPart | ImagePart] = []
-    for part in msg.content:
-        if isinstance(part, wire.TextPart):
-            parts.append(TextPart(part.text))
-        else:
-            url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
-            parts.append(ImagePart(url))
+    parts = [_part(p, f"messages[{index}].content[{j}]") for j, p in enumerate(msg.content)]
     if all(isinstance(p, TextPart) for p in parts):
+        # text parts join with nothing between them, as OpenAI concatenates them
         return "".join(p.text for p in parts if isinstance(p, TextPart))
     return tuple(parts)
 
@@ -100,13 +134,13 @@ def has_images(messages: tuple[Message, ...]) -> bool:
     )
 
 
-def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
-    stops = [stop] if isinstance(stop, str) else list(stop or ())
-    if len(stops) > MAX_STOP_STRINGS:
+def stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    items = [stop] if isinstance(stop, str) else list(stop or ())
+    if len(items) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
-    if any(s == "" for s in stops):
+    if any(s == "" for s in items):
         raise InvalidRequest("stop strings must not be empty", param="stop")
-    return tuple(dict.fromkeys(stops))
+    return tuple(dict.fromkeys(items))
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
@@ -129,9 +163,9 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
     return out
 
 
-def sampling_params(req: wire.ChatCompletionRequest, vocab_size: int) -> SamplingParams:
-    if req.top_logprobs and not req.logprobs:
-        raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
+def sampling_params(
+    req: wire.SamplingFields, vocab_size: int, *, logprobs: bool = False, top_logprobs: int = 0
+) -> SamplingParams:
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_k=req.top_k or 0,
@@ -142,8 +176,16 @@ def sampling_params(req: wire.ChatCompletionRequest, vocab_size: int) -> Samplin
         frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias=MappingProxyType(_logit_bias(req.logit_bias, vocab_size)),
         seed=req.seed,
-        logprobs=bool(req.logprobs),
-        top_logprobs=req.top_logprobs or 0,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+def _chat_sampling(req: wire.ChatCompletionRequest, vocab_size: int) -> SamplingParams:
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
+    return sampling_params(
+        req, vocab_size, logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0
     )
 
 
@@ -171,12 +213,18 @@ def _tool_choice(choice: str | dict[str, Any] | None, names: set[str]) -> tuple[
     return "named", name
 
 
-def tool_plan(req: wire.ChatCompletionRequest, *, supported: bool) -> ToolPlan:
-    tools = req.tools or []
+def tool_plan(
+    tools: list[wire.ToolDef] | None,
+    tool_choice: str | dict[str, Any] | None,
+    parallel_tool_calls: bool | None,
+    *,
+    supported: bool,
+) -> ToolPlan:
+    tools = tools or []
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise InvalidRequest("tool names must be unique", param="tools")
-    choice, name = _tool_choice(req.tool_choice, set(names))
+    choice, name = _tool_choice(tool_choice, set(names))
     if choice == "none":
         return ToolPlan()  # tool_choice none: tools are neither rendered nor parsed
     if not supported:
@@ -190,30 +238,56 @@ def tool_plan(req: wire.ChatCompletionRequest, *, supported: bool) -> ToolPlan:
         for t in tools
     )
     schemas = tuple(t.model_dump(exclude_none=True) for t in tools)
-    parallel = True if req.parallel_tool_calls is None else req.parallel_tool_calls
+    parallel = True if parallel_tool_calls is None else parallel_tool_calls
     return ToolPlan(rendered, schemas, choice, name, parallel)
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def _refuse(param: str, why: str) -> InvalidRequest:
+    return InvalidRequest(f"{param}: {why}", param=param, code="unsupported_parameter")
+
+
 def _refuse_unsupported(req: wire.ChatCompletionRequest) -> None:
-    if req.n not in (None, 1):
-        raise InvalidRequest("n > 1 is not supported by this server yet; send n=1", param="n")
+    """Known OpenAI fields this server cannot honour: a 400 naming each, never ignored."""
     if req.response_format is not None and req.response_format.type != "text":
-        raise InvalidRequest(
-            f"response_format {req.response_format.type!r} is not supported yet; "
-            "only 'text' is honoured",
-            param="response_format",
+        raise _refuse(
+            "response_format",
+            f"{req.response_format.type!r} needs constrained decoding, which this server "
+            "does not have yet; only 'text' is honoured",
         )
     if req.store:
-        raise InvalidRequest("this server does not store completions; send store: false", param="store")
+        raise _refuse("store", "this server does not store completions; send store: false")
+    if req.audio is not None or any(m != "text" for m in req.modalities or ()):
+        param = "modalities" if req.audio is None else "audio"
+        raise _refuse(param, "this server writes text only")
+    if req.functions is not None or req.function_call is not None:
+        param = "functions" if req.functions is not None else "function_call"
+        raise _refuse(param, "the deprecated functions API is not served; send tools")
+    if req.web_search_options is not None:
+        raise _refuse("web_search_options", "this server has no web search")
+    if req.verbosity not in (None, "medium"):
+        raise _refuse("verbosity", "only the default 'medium' is honoured")
+    if req.reasoning_effort is not None and req.reasoning_effort not in REASONING_EFFORTS:
+        raise InvalidRequest(
+            f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}",
+            param="reasoning_effort",
+        )
 
 
-def _options(req: wire.ChatCompletionRequest) -> RenderOptions:
-    extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
+def options(
+    kwargs: dict[str, Any] | None,
+    reasoning_effort: str | None,
+    *,
+    add_generation_prompt: bool = True,
+) -> RenderOptions:
+    extra: dict[str, Any] = dict(kwargs or {})
     thinking = extra.pop("enable_thinking", None)
     return RenderOptions(
-        add_generation_prompt=True,
+        add_generation_prompt=add_generation_prompt,
         enable_thinking=None if thinking is None else bool(thinking),
-        reasoning_effort=req.reasoning_effort,
+        reasoning_effort=reasoning_effort,
         extra=MappingProxyType(extra),
     )
 
@@ -223,11 +297,104 @@ def chat_plan(req: wire.ChatCompletionRequest, *, vocab_size: int, tools_support
     max_tokens = req.max_completion_tokens or req.max_tokens
     return ChatPlan(
         messages=to_messages(req.messages),
-        tools=tool_plan(req, supported=tools_supported),
-        options=_options(req),
-        sampling=sampling_params(req, vocab_size),
+        tools=tool_plan(
+            req.tools, req.tool_choice, req.parallel_tool_calls, supported=tools_supported
+        ),
+        options=options(req.chat_template_kwargs, req.reasoning_effort),
+        sampling=_chat_sampling(req, vocab_size),
         max_tokens=max_tokens,
-        stop=_stops(req.stop),
+        stop=stops(req.stop),
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        n=req.n or 1,
+        max_tokens_field="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
+    )
+
+
+# -- /v1/completions -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompletionPlan:
+    prompts: tuple[str | tuple[int, ...], ...]  # text to encode, or token ids as sent
+    sampling: SamplingParams
+    max_tokens: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    n: int
+    best_of: int  # generations per prompt; the best n (by mean token logprob) are returned
+    echo: bool
+    logprobs: int | None  # legacy: how many alternatives per token; None = no logprobs
+
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+Prompt = str | tuple[int, ...]
+
+
+def _prompts(
+    prompt: str | list[str] | list[int] | list[list[int]], vocab_size: int
+) -> tuple[Prompt, ...]:
+    if isinstance(prompt, str):
+        items: list[str | list[int]] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        items = [[p for p in prompt if isinstance(p, int)]]
+    else:
+        items = [p for p in prompt if isinstance(p, (str, list))]
+    if not items:
+        raise InvalidRequest("prompt is empty; send a string, strings or token ids", param="prompt")
+    out: list[Prompt] = []
+    for i, item in enumerate(items):
+        where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        if not item:
+            raise InvalidRequest(f"{where} is an empty list of token ids", param=where)
+        bad = next((t for t in item if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"{where} holds token id {bad}, outside the vocabulary (0..{vocab_size - 1})",
+                param=where,
+            )
+        out.append(tuple(item))
+    return tuple(out)
+
+
+def _choices(req: wire.CompletionRequest) -> tuple[int, int]:
+    n = req.n or 1
+    best_of = req.best_of or n
+    if best_of < n:
+        raise InvalidRequest(f"best_of ({best_of}) must be at least n ({n})", param="best_of")
+    if best_of > n and req.stream:
+        raise InvalidRequest("best_of cannot be used with stream: true", param="best_of")
+    return n, best_of
+
+
+def completion_plan(req: wire.CompletionRequest, *, vocab_size: int) -> CompletionPlan:
+    if req.suffix:
+        raise _refuse("suffix", "insertion (fill-in-the-middle) is not supported yet")
+    n, best_of = _choices(req)
+    max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
+    if max_tokens == 0 and not req.echo:
+        raise InvalidRequest(
+            "max_tokens 0 generates nothing; use it with echo: true", param="max_tokens"
+        )
+    if req.echo and req.logprobs is not None:
+        raise _refuse("echo", "with logprobs it asks for the prompt's logprobs, not computed here")
+    # best_of ranks candidates by their own logprobs, so they are computed then too
+    want = req.logprobs is not None or best_of > n
+    return CompletionPlan(
+        prompts=_prompts(req.prompt, vocab_size),
+        sampling=sampling_params(req, vocab_size, logprobs=want, top_logprobs=req.logprobs or 0),
+        max_tokens=max_tokens,
+        stop=stops(req.stop),
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        n=n,
+        best_of=best_of,
+        echo=req.echo,
+        logprobs=req.logprobs,
     )

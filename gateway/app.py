@@ -8,15 +8,22 @@ from collections.abc import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.auth import ApiKeyMiddleware
 from gateway.errors import APIError, InternalError
+from gateway.metrics import Metrics, MetricsMiddleware, metrics_endpoint
 from gateway.routes.chat import chat_completions
+from gateway.routes.completions import completions
 from gateway.routes.debug import prefix_cache
-from gateway.routes.models import health, list_models
+from gateway.routes.models import get_model, health, list_models
+from gateway.routes.tokenize import detokenize, tokenize
 from gateway.served import ServedModel
+from gateway.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +51,58 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return _error_response(err)
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    # the client left while sending its body: nobody will read an answer
+    log.info("%s %s: client disconnected mid-request", request.method, request.url.path)
+    return Response(status_code=400)
+
+
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return _error_response(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
 
 
-def create_app(load: Callable[[], ServedModel]) -> Starlette:
+def _middleware(settings: ServerSettings, metrics: Metrics) -> list[Middleware]:
+    # outermost first: CORS answers preflights and decorates every answer (401s too),
+    # metrics count every request, then the key is checked
+    stack = []
+    if settings.cors_origins:
+        stack.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(settings.cors_origins),
+                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_headers=["*"],
+                expose_headers=["Retry-After"],
+            )
+        )
+    stack.append(Middleware(MetricsMiddleware, metrics=metrics))
+    if settings.api_key is not None:
+        stack.append(Middleware(ApiKeyMiddleware, api_key=settings.api_key))
+    return stack
+
+
+def _routes() -> list[Route]:
+    return [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/debug/prefix-cache", prefix_cache, methods=["GET"]),
+    ]
+
+
+def create_app(
+    load: Callable[[], ServedModel], settings: ServerSettings | None = None
+) -> Starlette:
     """`load` builds the served model (loads weights, makes its engine). It runs in
     the lifespan, so the server accepts connections once the model is ready."""
+    settings = settings or ServerSettings()
+    metrics = Metrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -64,18 +115,17 @@ def create_app(load: Callable[[], ServedModel]) -> Starlette:
         finally:
             served.engine.stop()
 
-    routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", list_models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/debug/prefix-cache", prefix_cache, methods=["GET"]),
-    ]
-    return Starlette(
-        routes=routes,
+    app = Starlette(
+        routes=_routes(),
+        middleware=_middleware(settings, metrics),
         lifespan=lifespan,
         exception_handlers={
             APIError: _api_error,
             HTTPException: _http_error,
+            ClientDisconnect: _client_gone,
             Exception: _unexpected,
         },
     )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    return app

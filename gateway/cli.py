@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import sys
@@ -10,20 +11,49 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gateway.serving import EngineSettings
+from gateway.settings import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, ServerSettings
 
 DEFAULT_MODEL = "smollm2-135m"
 ENV_PREFIX = "MLX_GATEWAY_"
 
 
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+
+
 def connectable_host(host: str) -> str:
-    """The address a client on this machine should dial for a bind address."""
-    if host in ("", "0.0.0.0"):
+    """The address a client on this machine should dial for a bind address: an
+    unspecified one (0.0.0.0, ::) becomes the loopback of its family, IPv6 gets brackets."""
+    if host in ("", "*"):
         return "127.0.0.1"
-    if host in ("::", "[::]"):
-        return "[::1]"
-    if ":" in host and not host.startswith("["):
-        return f"[{host}]"
-    return host
+    ip = _ip(host)
+    if ip is None:
+        return host  # a host name
+    if ip.is_unspecified:
+        ip = ipaddress.ip_address("127.0.0.1" if ip.version == 4 else "::1")
+    return f"[{ip}]" if ip.version == 6 else str(ip)
+
+
+def is_loopback(host: str) -> bool:
+    ip = _ip(host)
+    return host == "localhost" if ip is None else ip.is_loopback
+
+
+def client_url(host: str, port: int) -> str:
+    """The base URL to print for clients: always one they can connect to."""
+    return f"http://{connectable_host(host)}:{port}/v1"
+
+
+def bind_warning(host: str, api_key: str | None) -> str | None:
+    if api_key is not None or is_loopback(host):
+        return None
+    return (
+        f"mlx-gateway: WARNING: listening on {host} without an API key: anyone who can "
+        f"reach this machine can use the model. Set --api-key or ${API_KEY_ENV}."
+    )
 
 
 def _env(name: str, default: str) -> str:
@@ -41,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=int(_env("PORT", "8000")))
     s.add_argument("--model-id", default=None, help="name clients use (default: alias or file name)")
     _engine_args(s)
+    _server_args(s)
 
     pull = sub.add_parser("pull", help="download a model into the store")
     pull.add_argument("model")
@@ -89,6 +120,57 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _optional_int(name: str) -> int | None:
+    value = os.environ.get(ENV_PREFIX + name)
+    return int(value) if value else None
+
+
+def _server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require this key on every route but /health (also ${API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--cors-origins",
+        default=_env("CORS_ORIGINS", ""),
+        help="comma-separated browser origins allowed to call the API ('*' = any; default none)",
+    )
+    body_default = os.environ.get(ENV_PREFIX + "MAX_BODY_BYTES")
+    p.add_argument(
+        "--max-body-bytes",
+        type=parse_bytes,
+        default=parse_bytes(body_default) if body_default else DEFAULT_MAX_BODY_BYTES,
+        help="largest request body accepted (413 above it; default 32M)",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=_optional_int("MAX_PROMPT_TOKENS"),
+        help="longest prompt accepted, in tokens (default: the model's context)",
+    )
+    p.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=_optional_int("MAX_TOKENS_CAP"),
+        help="largest max_tokens a request may ask for (default: what the context leaves)",
+    )
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    origins = tuple(o.strip() for o in args.cors_origins.split(",") if o.strip())
+    try:
+        return ServerSettings(
+            api_key=args.api_key,
+            cors_origins=origins,
+            max_body_bytes=args.max_body_bytes,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_tokens_cap=args.max_tokens_cap,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
 def _engine_settings(args: argparse.Namespace) -> EngineSettings:
     return EngineSettings(
         prefill_chunk=args.prefill_chunk,
@@ -115,11 +197,15 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.app import create_app
     from gateway.serving import build_served
 
+    server = server_settings(args)
     path, model_id = _resolve(args.model)
     settings = _engine_settings(args)
     model_id = args.model_id or model_id
-    app = create_app(lambda: build_served(path, model_id=model_id, settings=settings))
-    url = f"http://{connectable_host(args.host)}:{args.port}/v1"
+    app = create_app(lambda: build_served(path, model_id=model_id, settings=settings), server)
+    warning = bind_warning(args.host, server.api_key)
+    if warning:
+        print(warning, file=sys.stderr)
+    url = client_url(args.host, args.port)
     print(f"mlx-gateway: serving {model_id} at {url}  (OPENAI_BASE_URL={url})", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0

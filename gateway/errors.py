@@ -54,7 +54,23 @@ class PayloadTooLarge(APIError):
     type = "invalid_request_error"
 
 
+class Unprocessable(APIError):
+    """Well-formed, but this model cannot process it (its chat template refused)."""
+
+    status = 422
+    type = "invalid_request_error"
+
+
+class RateLimited(APIError):
+    """The request queue is full; the client should retry after Retry-After."""
+
+    status = 429
+    type = "rate_limit_error"
+
+
 class Overloaded(APIError):
+    """The server cannot take requests now (starting or stopping)."""
+
     status = 503
     type = "overloaded_error"
 

@@ -48,8 +48,34 @@ class ServedModel:
                 code="model_not_found",
             )
 
-    def check_fits(self, prompt_tokens: int, max_tokens: int | None) -> int:
-        """Return the max_tokens to use, or refuse a request that cannot fit."""
+    def check_fits(
+        self,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        *,
+        prompt_cap: int | None = None,
+        tokens_cap: int | None = None,
+        tokens_param: str = "max_tokens",
+        prompt_param: str = "messages",
+    ) -> int:
+        """Return the max_tokens to use, or refuse a request that cannot fit.
+
+        `prompt_cap` and `tokens_cap` are the server's own limits on top of the context.
+        """
+        if tokens_cap is not None and max_tokens is not None and max_tokens > tokens_cap:
+            raise InvalidRequest(
+                f"{tokens_param} is too large: {max_tokens}. This server allows at most "
+                f"{tokens_cap} completion tokens per request.",
+                param=tokens_param,
+                code="max_tokens_too_large",
+            )
+        if prompt_cap is not None and prompt_tokens > prompt_cap:
+            raise InvalidRequest(
+                f"The prompt is {prompt_tokens} tokens long; this server accepts at most "
+                f"{prompt_cap} prompt tokens. Please reduce the length of the messages.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         ctx = self.context_length
         room = ctx - prompt_tokens
         if room <= 0 or (max_tokens is not None and max_tokens > room):
@@ -58,7 +84,9 @@ class ServedModel:
                 f"This model's maximum context length is {ctx} tokens. However, you requested "
                 f"{asked} tokens ({prompt_tokens} in the messages, {max_tokens or 0} in the "
                 "completion). Please reduce the length of the messages or completion.",
-                param="messages",
+                param=prompt_param,
                 code="context_length_exceeded",
             )
-        return max_tokens if max_tokens is not None else room
+        if max_tokens is not None:
+            return max_tokens
+        return room if tokens_cap is None else min(room, tokens_cap)

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -124,6 +124,9 @@ class Engine:
         self._runner = runner
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue(maxsize=max(1, max_queue))
         self._thread: threading.Thread | None = None
+        # submitters only add to the queue and the worker only removes, so a free-space
+        # check under this lock makes a group submission all-or-nothing
+        self._submit_lock = threading.RLock()
         self.stats = EngineStats()
 
     # lifecycle -------------------------------------------------------------
@@ -149,6 +152,11 @@ class Engine:
     def queue_depth(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def capacity(self) -> int:
+        """How many requests may wait at once."""
+        return self._queue.maxsize
+
     # submission --------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; from asyncio the handle is async-iterable, else iterable."""
@@ -160,11 +168,24 @@ class Engine:
         except RuntimeError:
             sink = _ThreadSink()
         handle = RequestHandle(request, sink)
-        try:
-            self._queue.put_nowait(handle)
-        except queue.Full:
-            raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
+        with self._submit_lock:
+            try:
+                self._queue.put_nowait(handle)
+            except queue.Full:
+                raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
         return handle
+
+    def submit_all(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
+        """Queue several requests back to back, all or none (the n choices of one API
+        request): QueueFull when they do not all fit."""
+        with self._submit_lock:
+            free = self._queue.maxsize - self._queue.qsize()
+            if len(requests) > free:
+                raise QueueFull(
+                    f"{len(requests)} generations asked, {free} of {self._queue.maxsize} "
+                    "queue places free"
+                )
+            return [self.submit(r) for r in requests]
 
     # worker ------------------------------------------------------------------
     def _drain(self) -> None:

@@ -12,6 +12,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.served import ServedModel
+from gateway.settings import ServerSettings
 
 
 def free_port() -> int:
@@ -21,10 +22,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def live_server(load: Callable[[], ServedModel]) -> Iterator[str]:
+def live_server(
+    load: Callable[[], ServedModel], settings: ServerSettings | None = None
+) -> Iterator[str]:
     """Yield the base URL (http://127.0.0.1:PORT) of a running server."""
     port = free_port()
-    config = uvicorn.Config(create_app(load), host="127.0.0.1", port=port, log_level="warning")
+    app = create_app(load, settings)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -179,7 +179,9 @@ def test_qwen3_random_ids(qwen3: Case, data: st.DataObject) -> None:
 def test_llama3_random_ids(llama3: Case, data: st.DataObject) -> None:
     ids = data.draw(_ids(llama3))
     assert "".join(_stream(llama3.table, ids)) == _decode(llama3.tokenizer, ids)
-    _check_prefixes(llama3, ids, max_remainder=1)
+    # an unfinished character is held back; when its bytes can never complete (e.g. ED A1,
+    # a UTF-16 surrogate's prefix) decode shows each as U+FFFD, so two characters may wait
+    _check_prefixes(llama3, ids, max_remainder=2)
 
 
 @given(data=st.data())

@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_CHOICES = 16
+
 
 class _Wire(BaseModel):
     # Unknown fields are accepted (and logged by the route); fields we know but
@@ -14,19 +16,19 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class TextPart(_Wire):
-    type: Literal["text", "input_text"]
-    text: str
-
-
 class ImageURL(_Wire):
     url: str
     detail: str | None = None
 
 
-class ImagePart(_Wire):
-    type: Literal["image_url"]
-    image_url: ImageURL | str
+class ContentPart(_Wire):
+    """One part of a message's content. Every type parses here, so the adapter can
+    refuse the ones it cannot use with a message naming the part."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+    image_url: ImageURL | str | None = None
 
 
 class FunctionCall(_Wire):
@@ -42,12 +44,13 @@ class ToolCall(_Wire):
 
 class ChatMessage(_Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImagePart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    refusal: str | None = None
 
 
 class StreamOptions(_Wire):
@@ -70,13 +73,12 @@ class ResponseFormat(_Wire):
     type: str
 
 
-class ChatCompletionRequest(_Wire):
+class SamplingFields(_Wire):
+    """Fields shared by chat and text completions that become SamplingParams."""
+
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
@@ -85,12 +87,18 @@ class ChatCompletionRequest(_Wire):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    n: int | None = Field(default=None, ge=1, le=16)
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     metadata: dict[str, str] | None = None
     store: bool | None = None
     tools: list[ToolDef] | None = None
@@ -99,3 +107,35 @@ class ChatCompletionRequest(_Wire):
     response_format: ResponseFormat | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # known OpenAI fields this server cannot honour: refused by name in the adapter
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    verbosity: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    suffix: str | None = None
+    # 0 is allowed with echo: the prompt comes back and nothing is generated
+    max_tokens: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+
+
+class TokenizeRequest(_Wire):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list[ToolDef] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Wire):
+    model: str | None = None
+    tokens: list[int]

@@ -1,15 +1,12 @@
-"""POST /v1/chat/completions, streaming and not, with reasoning and tool calls."""
+"""POST /v1/chat/completions, streaming and not, with n choices, reasoning and tool calls."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from sse_starlette.sse import EventSourceResponse
+from anyio import to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -17,18 +14,24 @@ import parsers
 from gateway import adapters
 from gateway.capabilities import tool_call_opener
 from gateway.chat_output import ChatOutput
-from gateway.errors import InternalError, InvalidRequest, Overloaded
-from gateway.http import read_json, validate
-from gateway.openai_format import FINISH, ChatStream, logprobs_content
+from gateway.errors import InvalidRequest, Unprocessable
+from gateway.generation import (
+    DONE,
+    Generations,
+    budget,
+    failure,
+    requests_for,
+    sse_data,
+    sse_response,
+    submit,
+    until_disconnect,
+)
+from gateway.http import read_json, served_model, server_settings, validate
+from gateway.openai_format import FINISH, ChatStream, Usage, logprobs_content
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.served import ServedModel
-from runtime.engine import QueueFull, RequestHandle
-from runtime.types import Finished, FinishReason, GenerationRequest, TextDelta, TokenLogprob
+from runtime.types import Finished, FinishReason, TextDelta, TokenLogprob
 from templates import TemplateError
-
-log = logging.getLogger(__name__)
-
-KEEPALIVE_SECONDS = 10
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,11 @@ def _render(served: ServedModel, plan: adapters.ChatPlan) -> str:
     try:
         return served.renderer.render(plan.messages, plan.tools.tools, plan.options)
     except TemplateError as exc:
-        raise InvalidRequest(f"The chat template rejected these messages: {exc}", param="messages") from None
+        raise Unprocessable(
+            f"The model's chat template rejected these messages: {exc}",
+            param="messages",
+            code="template_error",
+        ) from None
 
 
 def prepare(served: ServedModel, plan: adapters.ChatPlan) -> Prepared:
@@ -83,30 +90,37 @@ def _new_parser(prep: Prepared, plan: adapters.ChatPlan) -> parsers.Parser:
     return parser
 
 
-def _submit(served: ServedModel, request: GenerationRequest) -> RequestHandle:
-    try:
-        return served.engine.submit(request)
-    except QueueFull as exc:
-        raise Overloaded(
-            f"The server is busy ({exc}); retry shortly.", headers={"Retry-After": "2"}
-        ) from None
+def _check_chat(served: ServedModel) -> None:
+    if not served.caps.chat:
+        raise InvalidRequest(
+            f"The model {served.id!r} has no chat template, so chat messages cannot be "
+            "rendered; send a raw prompt to /v1/completions instead.",
+            param="messages",
+            code="model_has_no_chat_template",
+        )
 
 
 async def chat_completions(request: Request) -> Response:
-    served: ServedModel = request.app.state.served
+    served = served_model(request)
+    settings = server_settings(request)
     req = validate(ChatCompletionRequest, await read_json(request))
     served.check_model(req.model)
+    _check_chat(served)
     plan = adapters.chat_plan(req, vocab_size=served.vocab_size, tools_supported=served.caps.tools)
-    prep = prepare(served, plan)
-    max_tokens = served.check_fits(len(prep.tokens), plan.max_tokens)
-    handle = _submit(served, GenerationRequest(tuple(prep.tokens), max_tokens, plan.sampling, plan.stop))
+    # rendering and tokenizing a long conversation takes a while: keep it off the event loop
+    prep = await to_thread.run_sync(prepare, served, plan)
+    max_tokens = budget(
+        served, settings, len(prep.tokens), plan.max_tokens, param=plan.max_tokens_field
+    )
+    # one parser per choice, made before anything is queued, so a bad one is a plain error
+    readers = [_new_parser(prep, plan) for _ in range(plan.n)]
+    wanted = requests_for(prep.tokens, max_tokens, plan.sampling, plan.stop, plan.n)
+    gens = submit(served, wanted, settings, request.app.state.metrics)
     fmt = ChatStream(model=served.id)
     if plan.stream:
-        return EventSourceResponse(
-            _stream(handle, fmt, plan, _new_parser(prep, plan)), ping=KEEPALIVE_SECONDS, send_timeout=30
-        )
-    work = _collect(handle, fmt, plan, _new_parser(prep, plan))
-    return JSONResponse(await _until_disconnect(request, handle, work))
+        return sse_response(_stream(gens, fmt, plan, readers), gens, settings)
+    body = await until_disconnect(request, gens, _collect(gens, fmt, plan, readers))
+    return JSONResponse(body if body is not None else {})
 
 
 def _finish_reason(done: Finished, out: ChatOutput) -> str:
@@ -115,83 +129,97 @@ def _finish_reason(done: Finished, out: ChatOutput) -> str:
     return FINISH.get(done.reason, "stop")
 
 
-async def _stream(
-    handle: RequestHandle, fmt: ChatStream, plan: adapters.ChatPlan, parser: parsers.Parser
-) -> AsyncIterator[dict[str, Any]]:
-    out = ChatOutput(parallel=plan.tools.parallel)
-    want_logprobs = plan.sampling.logprobs
-    try:
-        yield _data(fmt.chunk({"role": "assistant", "content": ""}))
-        async for event in handle:
-            if isinstance(event, TextDelta):
-                events = parser.feed(event.text)
-                out.count_tokens(events, len(event.token_ids))
-                deltas = out.deltas(events)
-                lp = logprobs_content(event.logprobs) if want_logprobs else None
-                if lp and not deltas:
-                    deltas = [{"content": ""}]
-                for i, delta in enumerate(deltas):
-                    yield _data(fmt.chunk(delta, logprobs=lp if i == 0 else None))
-                continue
-            for delta in out.deltas(parser.finish()):
-                yield _data(fmt.chunk(delta))
-            if event.reason is FinishReason.ERROR:
-                log.error("generation failed mid-stream: %s", event.error)
-                yield _data(InternalError(f"generation failed: {event.error}").openai_body())
-                break
-            if event.reason is FinishReason.CANCELLED:
-                break
-            yield _data(fmt.chunk({}, finish_reason=_finish_reason(event, out)))
-            if plan.include_usage:
-                yield _data(fmt.usage_chunk(event.stats, out.reasoning_tokens))
-        yield {"data": "[DONE]"}
-    finally:
-        handle.cancel()  # a no-op when finished; frees the engine when the client left
-
-
-def _data(payload: dict[str, Any]) -> dict[str, Any]:
-    return {"data": json.dumps(payload, ensure_ascii=False)}
-
-
-async def _collect(
-    handle: RequestHandle, fmt: ChatStream, plan: adapters.ChatPlan, parser: parsers.Parser
-) -> dict[str, Any]:
-    out = ChatOutput(parallel=plan.tools.parallel)
-    logprobs: list[TokenLogprob] = []
+@dataclass
+class _Choice:
+    out: ChatOutput
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     done: Finished | None = None
-    async for event in handle:
+
+
+async def _stream_choice(
+    gens: Generations,
+    index: int,
+    fmt: ChatStream,
+    plan: adapters.ChatPlan,
+    parser: parsers.Parser,
+    state: _Choice,
+) -> AsyncIterator[dict[str, Any]]:
+    out = state.out
+    yield sse_data(fmt.chunk({"role": "assistant", "content": ""}, index=index))
+    async for event in gens.events(index):
         if isinstance(event, TextDelta):
             events = parser.feed(event.text)
             out.count_tokens(events, len(event.token_ids))
-            out.deltas(events)
-            logprobs.extend(event.logprobs)
+            deltas = out.deltas(events)
+            lp = logprobs_content(event.logprobs) if plan.sampling.logprobs else None
+            if lp and not deltas:
+                deltas = [{"content": ""}]
+            for i, delta in enumerate(deltas):
+                yield sse_data(fmt.chunk(delta, index=index, logprobs=lp if i == 0 else None))
+            continue
+        state.done = event
+        for delta in out.deltas(parser.finish()):
+            yield sse_data(fmt.chunk(delta, index=index))
+        error = failure(event)
+        if error is not None:
+            raise error  # sent as an SSE error event by the response's guard
+        if event.reason is not FinishReason.CANCELLED:
+            reason = _finish_reason(event, out)
+            yield sse_data(fmt.chunk({}, index=index, finish_reason=reason))
+
+
+async def _stream(
+    gens: Generations, fmt: ChatStream, plan: adapters.ChatPlan, readers: list[parsers.Parser]
+) -> AsyncIterator[dict[str, Any]]:
+    totals = Usage()
+    for index, parser in enumerate(readers):
+        state = _Choice(ChatOutput(parallel=plan.tools.parallel))
+        async for item in _stream_choice(gens, index, fmt, plan, parser, state):
+            yield item
+        if state.done is None or state.done.reason is FinishReason.CANCELLED:
+            return  # the client went away: nobody is left to read the rest
+        totals.add(
+            state.done.stats,
+            first_of_prompt=index == 0,
+            reasoning_tokens=state.out.reasoning_tokens,
+        )
+    if plan.include_usage:
+        yield sse_data(fmt.usage_chunk(totals))
+    yield DONE
+
+
+async def _collect_choice(
+    gens: Generations, index: int, plan: adapters.ChatPlan, parser: parsers.Parser
+) -> _Choice:
+    state = _Choice(ChatOutput(parallel=plan.tools.parallel))
+    async for event in gens.events(index):
+        if isinstance(event, TextDelta):
+            events = parser.feed(event.text)
+            state.out.count_tokens(events, len(event.token_ids))
+            state.out.deltas(events)
+            state.logprobs.extend(event.logprobs)
         else:
-            done = event
-    out.deltas(parser.finish())
-    assert done is not None
-    if done.reason is FinishReason.ERROR:
-        raise InternalError(f"generation failed: {done.error}")
-    lp = logprobs_content(logprobs) if plan.sampling.logprobs else None
-    return fmt.completion(out.message(), _finish_reason(done, out), done.stats, lp, out.reasoning_tokens)
+            state.done = event
+    state.out.deltas(parser.finish())
+    assert state.done is not None
+    error = failure(state.done)
+    if error is not None:
+        raise error
+    return state
 
 
-async def _until_disconnect(request: Request, handle: RequestHandle, work: Any) -> Any:
-    """Await `work`, cancelling the request if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        handle.cancel()
-        task.cancel()
-        return {}
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+async def _collect(
+    gens: Generations, fmt: ChatStream, plan: adapters.ChatPlan, readers: list[parsers.Parser]
+) -> dict[str, Any]:
+    totals = Usage()
+    choices = []
+    for index, parser in enumerate(readers):
+        state = await _collect_choice(gens, index, plan, parser)
+        assert state.done is not None
+        out = state.out
+        totals.add(
+            state.done.stats, first_of_prompt=index == 0, reasoning_tokens=out.reasoning_tokens
+        )
+        lp = logprobs_content(state.logprobs) if plan.sampling.logprobs else None
+        choices.append(fmt.choice(index, out.message(), _finish_reason(state.done, out), lp))
+    return fmt.completion(choices, totals)

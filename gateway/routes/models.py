@@ -1,4 +1,4 @@
-"""GET /v1/models and GET /health."""
+"""GET /v1/models, GET /v1/models/{id} and GET /health."""
 
 from __future__ import annotations
 
@@ -28,15 +28,27 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [model_card(served)]})
 
 
+async def get_model(request: Request) -> JSONResponse:
+    served: ServedModel = request.app.state.served
+    served.check_model(str(request.path_params["model_id"]))
+    return JSONResponse(model_card(served))
+
+
 async def health(request: Request) -> JSONResponse:
     served: ServedModel | None = getattr(request.app.state, "served", None)
     if served is None or not served.engine.running:
-        return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse(
+            {"status": "starting", "model_loaded": False},
+            status_code=503,
+            headers={"Retry-After": "5"},
+        )
     stats = served.engine.stats
     return JSONResponse(
         {
             "status": "ok",
             "model": served.id,
+            "model_loaded": True,
+            "context_length": served.context_length,
             "busy": stats.busy,
             "queue_depth": served.engine.queue_depth,
             "requests_total": stats.requests_total,

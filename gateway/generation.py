@@ -1,0 +1,219 @@
+"""Running one API request's generations on the engine, for every route that generates.
+
+`n` choices (or best_of candidates) become consecutive engine requests submitted at
+once, so a full queue refuses the whole request up front (429 with Retry-After) and
+the prefix cache makes every choice after the first skip the prompt. A client that
+goes away cancels them all; the engine notices within one prefill chunk or one
+decode step. Streams carry keepalive comments while nothing else is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.requests import Request
+from starlette.types import Message
+
+from gateway.errors import APIError, InternalError, InvalidRequest, Overloaded, RateLimited
+from gateway.metrics import Metrics
+from gateway.served import ServedModel
+from gateway.settings import ServerSettings
+from runtime.engine import EngineStopped, QueueFull, RequestHandle
+from runtime.types import (
+    Finished,
+    FinishReason,
+    GenerationEvent,
+    GenerationRequest,
+    SamplingParams,
+    TextDelta,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_SEED_STEP = 0x9E3779B97F4A7C15  # a large odd constant: choices' seeds never collide
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice 0 keeps the request's seed (so n=1 and n>1 agree on it); the others get
+    distinct seeds derived from it, so a seeded n>1 request is reproducible."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * _SEED_STEP) % (1 << 64)
+
+
+def requests_for(
+    prompt: Sequence[int],
+    max_tokens: int,
+    sampling: SamplingParams,
+    stop: tuple[str, ...],
+    count: int,
+) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(
+            tuple(prompt),
+            max_tokens,
+            dataclasses.replace(sampling, seed=choice_seed(sampling.seed, i)),
+            stop,
+        )
+        for i in range(count)
+    ]
+
+
+def budget(
+    served: ServedModel,
+    settings: ServerSettings,
+    prompt_tokens: int,
+    max_tokens: int | None,
+    *,
+    param: str = "max_tokens",
+    prompt_param: str = "messages",
+) -> int:
+    """max_tokens to generate, after the context and the server's own caps."""
+    return served.check_fits(
+        prompt_tokens,
+        max_tokens,
+        prompt_cap=settings.max_prompt_tokens,
+        tokens_cap=settings.max_tokens_cap,
+        tokens_param=param,
+        prompt_param=prompt_param,
+    )
+
+
+class Generations:
+    """The engine handles of one API request, in choice order."""
+
+    def __init__(self, handles: list[RequestHandle], metrics: Metrics) -> None:
+        self.handles = handles
+        self.metrics = metrics
+
+    def cancel(self) -> None:
+        for handle in self.handles:
+            handle.cancel()  # a no-op for a finished one
+
+    async def events(self, index: int) -> AsyncIterator[GenerationEvent]:
+        """Choice `index`'s events, timing its first token and recording its finish."""
+        handle = self.handles[index]
+        first = True
+        async for event in handle:
+            if isinstance(event, TextDelta):
+                if first and event.token_ids:
+                    first = False
+                    self.metrics.first_token(time.perf_counter() - handle.submitted_at)
+            else:
+                self.metrics.generation_done(event.reason, event.stats)
+            yield event
+
+
+def submit(
+    served: ServedModel,
+    requests: Sequence[GenerationRequest],
+    settings: ServerSettings,
+    metrics: Metrics,
+    *,
+    param: str = "n",
+) -> Generations:
+    """Queue all of one API request's generations, or none of them."""
+    engine = served.engine
+    if len(requests) > engine.capacity:
+        raise InvalidRequest(
+            f"This request needs {len(requests)} generations; this server queues at most "
+            f"{engine.capacity} at once. Ask for fewer choices.",
+            param=param,
+        )
+    retry = {"Retry-After": str(settings.retry_after_seconds)}
+    try:
+        handles = engine.submit_all(requests)
+    except QueueFull as exc:
+        raise RateLimited(
+            f"The server is busy ({exc}); retry shortly.", code="queue_full", headers=retry
+        ) from None
+    except EngineStopped:
+        raise Overloaded(
+            "The server is not running generations now; retry shortly.", headers=retry
+        ) from None
+    return Generations(handles, metrics)
+
+
+def failure(done: Finished) -> APIError | None:
+    """The error a finished generation stands for, if any."""
+    if done.reason is FinishReason.ERROR:
+        log.error("generation failed: %s", done.error)
+        return InternalError(f"Generation failed: {done.error}", code="generation_failed")
+    if done.reason is FinishReason.CANCELLED and done.error:
+        return Overloaded(
+            f"Generation stopped: {done.error}; retry shortly.", headers={"Retry-After": "5"}
+        )
+    return None
+
+
+async def until_disconnect(request: Request, gens: Generations, work: Awaitable[T]) -> T | None:
+    """Await `work`, cancelling the generations if the client disconnects first
+    (then None: nobody is left to answer)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        gens.cancel()
+        task.cancel()
+        return None
+    gens.cancel()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def sse_data(payload: dict[str, Any]) -> dict[str, Any]:
+    return {"data": json.dumps(payload, ensure_ascii=False)}
+
+
+DONE = {"data": "[DONE]"}
+
+
+async def _guarded(
+    body: AsyncIterator[dict[str, Any]], gens: Generations
+) -> AsyncIterator[dict[str, Any]]:
+    """An error after the stream began goes out as an SSE error event, then [DONE]: the
+    status line is already sent, and a dropped connection would tell the client nothing."""
+    try:
+        async for item in body:
+            yield item
+    except APIError as exc:
+        yield sse_data(exc.openai_body())
+        yield DONE
+    except Exception as exc:
+        log.exception("stream failed")
+        yield sse_data(InternalError(f"internal error: {type(exc).__name__}: {exc}").openai_body())
+        yield DONE
+    finally:
+        gens.cancel()  # frees the engine when the client left mid-stream
+
+
+def sse_response(
+    body: AsyncIterator[dict[str, Any]], gens: Generations, settings: ServerSettings
+) -> EventSourceResponse:
+    async def client_gone(_: Message) -> None:
+        gens.cancel()
+
+    return EventSourceResponse(
+        _guarded(body, gens),
+        ping=settings.keepalive_seconds,
+        send_timeout=30,
+        client_close_handler_callable=client_gone,
+    )

@@ -1,0 +1,73 @@
+"""POST /tokenize and POST /detokenize (vLLM's shapes): the served model's tokenizer,
+with chat messages rendered through its template exactly as a chat request would be."""
+
+from __future__ import annotations
+
+from anyio import to_thread
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from gateway import adapters
+from gateway.errors import InvalidRequest, Unprocessable
+from gateway.http import read_json, served_model, validate
+from gateway.protocol.openai import DetokenizeRequest, TokenizeRequest
+from gateway.served import ServedModel
+from templates import TemplateError
+
+
+def _chat_tokens(served: ServedModel, req: TokenizeRequest) -> list[int]:
+    if not served.caps.chat:
+        raise InvalidRequest(
+            f"The model {served.id!r} has no chat template; tokenize a prompt instead.",
+            param="messages",
+            code="model_has_no_chat_template",
+        )
+    messages = adapters.to_messages(req.messages or [])
+    tools = adapters.tool_plan(req.tools, None, None, supported=served.caps.tools)
+    options = adapters.options(
+        req.chat_template_kwargs, None, add_generation_prompt=req.add_generation_prompt
+    )
+    try:
+        text = served.renderer.render(messages, tools.tools, options)
+    except TemplateError as exc:
+        raise Unprocessable(
+            f"The model's chat template rejected these messages: {exc}", param="messages"
+        ) from None
+    return served.loaded.tokenizer.encode_prompt(text)
+
+
+def _tokens(served: ServedModel, req: TokenizeRequest) -> list[int]:
+    if (req.prompt is None) == (req.messages is None):
+        raise InvalidRequest("send exactly one of prompt or messages", param="prompt")
+    if req.messages is not None:
+        if not req.messages:
+            raise InvalidRequest("messages is empty", param="messages")
+        return _chat_tokens(served, req)
+    assert req.prompt is not None
+    return served.loaded.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+
+
+async def tokenize(request: Request) -> JSONResponse:
+    served = served_model(request)
+    req = validate(TokenizeRequest, await read_json(request))
+    if req.model is not None:
+        served.check_model(req.model)
+    tokens = await to_thread.run_sync(_tokens, served, req)
+    return JSONResponse(
+        {"tokens": tokens, "count": len(tokens), "max_model_len": served.context_length}
+    )
+
+
+async def detokenize(request: Request) -> JSONResponse:
+    served = served_model(request)
+    req = validate(DetokenizeRequest, await read_json(request))
+    if req.model is not None:
+        served.check_model(req.model)
+    size = served.loaded.tokenizer.vocab_size
+    bad = next((t for t in req.tokens if not 0 <= t < size), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"token id {bad} is outside the vocabulary (0..{size - 1})", param="tokens"
+        )
+    text = served.loaded.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    return JSONResponse({"prompt": text})

@@ -1,0 +1,29 @@
+"""What the HTTP side enforces: authentication, CORS, and limits on what a client may ask."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+API_KEY_ENV = "MLX_GATEWAY_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    api_key: str | None = None  # None: no authentication
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API; "*" = any
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_prompt_tokens: int | None = None  # None: the model's context length
+    max_tokens_cap: int | None = None  # None: whatever room the context leaves
+    keepalive_seconds: float = 10.0  # SSE comment interval while nothing else is sent
+    retry_after_seconds: int = 2  # told to clients when the queue is full
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("an API key cannot be empty")
+        for name in ("max_body_bytes", "max_prompt_tokens", "max_tokens_cap"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.keepalive_seconds <= 0:
+            raise ValueError("keepalive_seconds must be positive")
