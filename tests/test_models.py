@@ -248,3 +248,15 @@ def test_softcapped_attention_tends_to_plain_attention() -> None:
         plain = attention(q, k, v, scale=0.3, mask=mask)
         capped = attention(q, k, v, scale=0.3, mask=mask, softcap=1e6)
         np.testing.assert_allclose(np.array(capped), np.array(plain), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["causal", "window"])
+@pytest.mark.parametrize(("length", "keys"), [(40, 40), (33, 57), (9, 9)])
+def test_blocked_causal_attention_equals_one_shot(kind: str, length: int, keys: int) -> None:
+    mx.random.seed(3)
+    q = mx.random.normal((1, 4, length, 16))
+    k, v = mx.random.normal((1, 2, keys, 16)), mx.random.normal((1, 2, keys, 16))
+    mask = "causal" if kind == "causal" else window_mask(length, keys, 7)
+    whole = attention(q, k, v, scale=0.25, mask=mask, block=10**6)
+    blocked = attention(q, k, v, scale=0.25, mask=mask, block=8)
+    assert mx.allclose(whole, blocked, atol=1e-5).item()

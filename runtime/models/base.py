@@ -124,6 +124,12 @@ def _softcapped_attention(
     return out.reshape(batch, q_heads, length, v.shape[-1])
 
 
+# Query block for long causal prefills. On the CPU, attention time is the exp over the
+# (L, K) score matrix; blocks of queries see only the keys up to their own end, so the
+# masked upper triangle is never computed (about half the work at 2048 tokens).
+QUERY_BLOCK = 256
+
+
 def attention(
     q: mx.array,
     k: mx.array,
@@ -132,8 +138,33 @@ def attention(
     scale: float,
     mask: Mask,
     softcap: float | None = None,
+    block: int = QUERY_BLOCK,
 ) -> mx.array:
-    """(B, Hq, L, D) queries over (B, Hkv, K, D) keys/values; Hq a multiple of Hkv."""
+    """(B, Hq, L, D) queries over (B, Hkv, K, D) keys/values; Hq a multiple of Hkv.
+
+    The queries are the last L of the K positions (as every cache hands them over).
+    """
+    length, keys = q.shape[2], k.shape[2]
+    if length > block and (mask == "causal" or _is_query_key_mask(mask, length, keys)):
+        outs = []
+        for start in range(0, length, block):
+            end = min(start + block, length)
+            seen = keys - length + end  # keys before this block's last query, inclusive
+            sub = mask if isinstance(mask, str) else mask[..., start:end, :seen]  # type: ignore[index]
+            outs.append(
+                _attend(q[:, :, start:end], k[:, :, :seen], v[:, :, :seen], scale, sub, softcap)
+            )
+        return mx.concatenate(outs, axis=2)
+    return _attend(q, k, v, scale, mask, softcap)
+
+
+def _is_query_key_mask(mask: Mask, length: int, keys: int) -> bool:
+    return isinstance(mask, mx.array) and mask.shape[-2:] == (length, keys)
+
+
+def _attend(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask, softcap: float | None
+) -> mx.array:
     if softcap is not None:
         return _softcapped_attention(q, k, v, scale, mask, softcap)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
