@@ -60,15 +60,19 @@ def worker_gateway(gguf: Path, prompt_tokens: int, gen_tokens: int, repeats: int
     loaded = dataclasses.replace(loaded, eos_token_ids=frozenset())  # always generate gen_tokens
     engine = Engine(ModelRunner(loaded))
     engine.start()
-    prompt = tuple(_prompt_ids(loaded.model.args.vocab_size, prompt_tokens))
+    vocab = loaded.model.args.vocab_size
     greedy = SamplingParams(temperature=0.0)
+    warmup = GenerationRequest(tuple(_prompt_ids(vocab, 32)[::-1]), 8, greedy)
+    list(engine.submit(warmup))
     runs = []
-    for i in range(repeats + 1):
+    for i in range(repeats):
+        # a distinct first token each run, so the prefix cache cannot help
+        prompt = (_prompt_ids(vocab, 1 + i)[-1] + 1, *_prompt_ids(vocab, prompt_tokens - 1))
         events = list(engine.submit(GenerationRequest(prompt, gen_tokens, greedy)))
         done = events[-1]
         assert isinstance(done, Finished), done
-        if i:  # the first run warms up
-            runs.append((done.stats.prefill_tps, done.stats.decode_tps, done.stats.peak_memory_bytes))
+        assert done.stats.cached_tokens == 0, done.stats
+        runs.append((done.stats.prefill_tps, done.stats.decode_tps, done.stats.peak_memory_bytes))
     engine.stop()
     return _best(runs)
 
@@ -80,8 +84,10 @@ def worker_mlxlm(folder: Path, prompt_tokens: int, gen_tokens: int, repeats: int
 
     model, config = load_model(folder)
     prompt = mx.array(_prompt_ids(config["vocab_size"], prompt_tokens))
+    for _ in generate_step(mx.array(_prompt_ids(config["vocab_size"], 32)), model, max_tokens=8):
+        pass  # warm up
     runs = []
-    for i in range(repeats + 1):
+    for _ in range(repeats):
         mx.reset_peak_memory()
         start = time.perf_counter()
         first = 0.0
@@ -91,10 +97,7 @@ def worker_mlxlm(folder: Path, prompt_tokens: int, gen_tokens: int, repeats: int
                 _ = int(tok)
                 first = time.perf_counter()
         end = time.perf_counter()
-        if i:
-            runs.append(
-                (prompt_tokens / (first - start), (n - 1) / (end - first), mx.get_peak_memory())
-            )
+        runs.append((prompt_tokens / (first - start), (n - 1) / (end - first), mx.get_peak_memory()))
     return _best(runs)
 
 
@@ -175,7 +178,10 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--gen-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--stock-repeats", type=int, default=1, help="runs of the (slow) out-of-the-box mlx-lm"
+    )
     args = p.parse_args()
 
     from gateway.store import Store, gateway_home
@@ -192,7 +198,8 @@ def main() -> None:
             folders[dtype] = folder
         gw = _run_worker(["gateway", str(gguf), *common], blas=True)
         f32 = _run_worker(["mlxlm", str(folders["float32"]), *common], blas=True)
-        bf16 = _run_worker(["mlxlm", str(folders["bfloat16"]), *common], blas=False)
+        stock = [str(args.prompt_tokens), str(args.gen_tokens), str(args.stock_repeats)]
+        bf16 = _run_worker(["mlxlm", str(folders["bfloat16"]), *stock], blas=False)
         ceil = _run_worker(["blas", str(gguf), *common], blas=True)
         rows.append((alias, gw, f32, bf16, ceil))
     _print_table(rows, args)
