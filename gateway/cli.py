@@ -118,6 +118,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=int(_env("SNAPSHOT_INTERVAL", "1024")),
         help="tokens between restore points inside long prompts",
     )
+    p.add_argument(
+        "--template-family",
+        default=_env("TEMPLATE_FAMILY", "") or None,
+        help="render chats with this built-in template instead of the model's own "
+        "(qwen3, qwen3-coder, qwen3.5, glm-4.7, gemma3, deepseek-v3.1, llama3, ...)",
+    )
+    p.add_argument(
+        "--parser",
+        default=_env("PARSER", "") or None,
+        help="read model output with this parser instead of the detected one "
+        "(hermes, qwen3-coder, glm-4.7, deepseek-v3.1, llama3-json, think, passthrough)",
+    )
 
 
 def _optional_int(name: str) -> int | None:
@@ -172,11 +184,23 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
 
 
 def _engine_settings(args: argparse.Namespace) -> EngineSettings:
+    import parsers
+    import templates
+
+    if args.parser and args.parser not in parsers.names():
+        raise SystemExit(f"error: unknown --parser {args.parser!r}; known: {', '.join(parsers.names())}")
+    families = sorted(templates.builtin_families())
+    if args.template_family and args.template_family not in families:
+        raise SystemExit(
+            f"error: unknown --template-family {args.template_family!r}; known: {', '.join(families)}"
+        )
     return EngineSettings(
         prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue,
         prefix_cache_bytes=args.prefix_cache_bytes,
         snapshot_interval=args.snapshot_interval,
+        template_family=args.template_family,
+        parser=args.parser,
     )
 
 

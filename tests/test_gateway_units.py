@@ -327,3 +327,25 @@ def test_cli_server_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         server_settings(_parser().parse_args(["serve", "--max-tokens-cap", "0"]))
     with pytest.raises(ValueError):
         ServerSettings(api_key=" ")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--parser", "nonsense"), ("--template-family", "qwen9")]
+)
+def test_unknown_parser_or_template_family_is_refused_at_startup(flag: str, value: str) -> None:
+    from gateway.cli import _engine_settings, _parser
+
+    args = _parser().parse_args(["serve", flag, value])
+    with pytest.raises(SystemExit, match="unknown"):
+        _engine_settings(args)
+
+
+def test_known_overrides_reach_the_engine_settings() -> None:
+    from gateway.cli import _engine_settings, _parser
+
+    args = _parser().parse_args(
+        ["serve", "--parser", "hermes", "--template-family", "qwen3", "--prefix-cache-bytes", "1G"]
+    )
+    settings = _engine_settings(args)
+    assert (settings.parser, settings.template_family) == ("hermes", "qwen3")
+    assert settings.prefix_cache_bytes == 1024**3
