@@ -40,7 +40,8 @@ def _export_hf(gguf: Path, out: Path, dtype: str) -> None:
     from runtime.loader import load
 
     loaded = load(gguf)
-    weights = {k: v.astype(getattr(mx, dtype)) for k, v in tree_flatten(loaded.model.parameters())}
+    flat: list[tuple[str, mx.array]] = tree_flatten(loaded.model.parameters())  # type: ignore[assignment]
+    weights = {k: v.astype(getattr(mx, dtype)) for k, v in flat}
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     config = dict(loaded.config)
