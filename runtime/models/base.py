@@ -236,6 +236,38 @@ def tied_logits(embed: Embedding, lm_head: Linear | None, hidden: mx.array) -> m
     return embed.as_linear(hidden) if lm_head is None else lm_head(hidden)
 
 
+class CausalLM(Module):
+    """The shell every architecture shares: a body (`self.model`: embeddings, layers,
+    final norm), an LM head or tied embeddings, and one cache per layer."""
+
+    def __init__(self, args: Any, body: Module) -> None:
+        super().__init__()
+        self.args = args
+        self.model = body
+        self.lm_head: Linear | None = None
+        if not args.tie_word_embeddings:
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(self, tokens: mx.array, caches: Sequence[Cache] | None = None) -> mx.array:
+        """(B, L) tokens -> (B, L, hidden) after the final norm; `caches` are updated."""
+        out: mx.array = self.model(tokens, self.make_caches() if caches is None else caches)
+        return out
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        return tied_logits(self.model.embed_tokens, self.lm_head, hidden)
+
+    def __call__(self, tokens: mx.array, caches: Sequence[Cache] | None = None) -> mx.array:
+        return self.logits(self.forward(tokens, caches))
+
+    def make_caches(self) -> list[Cache]:
+        return make_layer_caches(self.args.layer_types, self.args.sliding_window)
+
+    def _drop_tied_head(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        if self.args.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        return weights
+
+
 def config_int(config: Mapping[str, Any], key: str, default: int) -> int:
     value = config.get(key)
     return default if value is None else int(value)

@@ -13,7 +13,6 @@ from typing import Any, TypeVar
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.embedding import Embedding
-from mlx.nn.layers.linear import Linear
 
 from runtime.cache import Cache
 from runtime.models.base import (
@@ -21,11 +20,10 @@ from runtime.models.base import (
     MLP,
     SLIDING_ATTENTION,
     Attention,
+    CausalLM,
     RMSNorm,
     config_float,
     config_int,
-    make_layer_caches,
-    tied_logits,
 )
 from runtime.models.rope import RoPE, RopeSpec, parse_rope
 
@@ -151,31 +149,10 @@ class DecoderBody(Module):
         return self.norm(h)
 
 
-class DecoderModel(Module):
+class DecoderModel(CausalLM):
     def __init__(self, args: DecoderArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.model = DecoderBody(args)
-        self.lm_head: Linear | None = None
-        if not args.tie_word_embeddings:
-            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def forward(self, tokens: mx.array, caches: Sequence[Cache] | None = None) -> mx.array:
-        """(B, L) tokens -> (B, L, hidden) after the final norm; `caches` are updated."""
-        return self.model(tokens, self.make_caches() if caches is None else caches)
-
-    def logits(self, hidden: mx.array) -> mx.array:
-        return tied_logits(self.model.embed_tokens, self.lm_head, hidden)
-
-    def __call__(self, tokens: mx.array, caches: Sequence[Cache] | None = None) -> mx.array:
-        return self.logits(self.forward(tokens, caches))
-
-    def make_caches(self) -> list[Cache]:
-        return make_layer_caches(self.args.layer_types, self.args.sliding_window)
+        super().__init__(args, DecoderBody(args))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """HF checkpoint names -> parameter names (they match; drop what is not a parameter)."""
-        out = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if self.args.tie_word_embeddings:
-            out.pop("lm_head.weight", None)
-        return out
+        return self._drop_tied_head({k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k})

@@ -17,7 +17,6 @@ from typing import Any
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.embedding import Embedding
-from mlx.nn.layers.linear import Linear
 
 from runtime.cache import Cache
 from runtime.models.base import (
@@ -25,12 +24,11 @@ from runtime.models.base import (
     MLP,
     SLIDING_ATTENTION,
     Attention,
+    CausalLM,
     RMSNorm,
     config_float,
     config_int,
-    make_layer_caches,
     optional_float,
-    tied_logits,
 )
 from runtime.models.rope import RoPE, RopeSpec, parse_rope
 
@@ -193,31 +191,16 @@ class TextModel(Module):
         return self.norm(h)
 
 
-class Model(Module):
+class Model(CausalLM):
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.model = TextModel(args)
-        self.lm_head: Linear | None = None
-        if not args.tie_word_embeddings:
-            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def forward(self, tokens: mx.array, caches: Sequence[Cache] | None = None) -> mx.array:
-        """(B, L) tokens -> (B, L, hidden) after the final norm; `caches` are updated."""
-        return self.model(tokens, self.make_caches() if caches is None else caches)
+        super().__init__(args, TextModel(args))
 
     def logits(self, hidden: mx.array) -> mx.array:
-        out = tied_logits(self.model.embed_tokens, self.lm_head, hidden)
+        out = super().logits(hidden)
         cap = self.args.final_logit_softcapping
         if cap is not None:
             out = mx.tanh(out / cap) * cap
         return out
-
-    def __call__(self, tokens: mx.array, caches: Sequence[Cache] | None = None) -> mx.array:
-        return self.logits(self.forward(tokens, caches))
-
-    def make_caches(self) -> list[Cache]:
-        return make_layer_caches(self.args.layer_types, self.args.sliding_window)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """HF names -> parameter names; multimodal checkpoints lose their vision parts."""
@@ -230,6 +213,4 @@ class Model(Module):
                     name = replacement + name[len(prefix) :]
                     break
             out[name] = value
-        if self.args.tie_word_embeddings:
-            out.pop("lm_head.weight", None)
-        return out
+        return self._drop_tied_head(out)
