@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 
 def _gateway_spec(name: str, alias: str, port: int) -> ServerSpec:
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", alias]
+    cmd = [sys.executable, "-m", "gateway.cli.main", "serve", "--model", alias]
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
     note = "f32 + BLAS, prefix cache on"
     if name == "gateway-nocache":

@@ -354,7 +354,7 @@ def bench_server(spec: ServerSpec, port: int, work: Workload, acct: Accountant, 
 def mlx_folder(gguf: Path, alias: str, acct: Accountant) -> Path:
     """Our loader's float32 weights as a HF folder (bench/decode.py writes it), plus the
     tokenizer files mlx-lm's loader needs, offline."""
-    from gateway.store import gateway_home
+    from gateway.cli.store import gateway_home
 
     folder = gateway_home() / "bench" / f"{alias}-float32"
     if not (folder / "model.safetensors").exists():
@@ -501,7 +501,7 @@ def run_all(args: argparse.Namespace, gguf: Path, acct: Accountant, work: Worklo
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _args(argv)
-    from gateway.store import Store
+    from gateway.cli.store import Store
 
     gguf = Store().resolve(args.model)
     acct = Accountant(gguf)

@@ -14,29 +14,29 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.auth import ApiKeyMiddleware
-from gateway.errors import APIError, InternalError
-from gateway.metrics import Metrics, MetricsMiddleware, metrics_endpoint
-from gateway.routes.chat import chat_completions
-from gateway.routes.completions import completions
-from gateway.routes.debug import prefix_cache
-from gateway.routes.models import get_model, health, list_models
-from gateway.routes.tokenize import detokenize, tokenize
-from gateway.served import ServedModel
-from gateway.settings import ServerSettings
+from gateway.admin.debug import prefix_cache
+from gateway.admin.models import get_model, health, list_models
+from gateway.admin.tokenize import detokenize, tokenize
+from gateway.core.auth import ApiKeyMiddleware
+from gateway.core.errors import APIError, InternalError
+from gateway.core.metrics import Metrics, MetricsMiddleware, metrics_endpoint
+from gateway.core.served import ServedModel
+from gateway.core.settings import ServerSettings
+from gateway.openai.chat import chat_completions
+from gateway.openai.completions import completions
 
 log = logging.getLogger(__name__)
 
 
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.openai_body(), status_code=err.status, headers=err.headers)
+def _error_response(err: APIError, path: str) -> JSONResponse:
+    return JSONResponse(err.body_for(path), status_code=err.status, headers=err.headers)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     if exc.status >= 500:
         log.error("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
-    return _error_response(exc)
+    return _error_response(exc, request.url.path)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -48,7 +48,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         err.message = f"Unknown path {request.url.path}"
     elif exc.status_code == 405:
         err.message = f"Method {request.method} is not allowed on {request.url.path}"
-    return _error_response(err)
+    return _error_response(err, request.url.path)
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -59,7 +59,8 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return _error_response(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+    err = InternalError(f"internal error: {type(exc).__name__}: {exc}")
+    return _error_response(err, request.url.path)
 
 
 def _middleware(settings: ServerSettings, metrics: Metrics) -> list[Middleware]:

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 import uvicorn
 
 from gateway.app import create_app
-from gateway.served import ServedModel
-from gateway.settings import ServerSettings
+from gateway.core.served import ServedModel
+from gateway.core.settings import ServerSettings
 
 
 def free_port() -> int:

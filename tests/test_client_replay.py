@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from gateway.serving import build_served
+from gateway.core.serving import build_served
 from tests.live_server import live_server
 from tests.openai_checks import chat_chunks, chat_texts, error_of, post, stream
 

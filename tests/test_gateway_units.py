@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 from starlette.datastructures import Headers
 
-from gateway import adapters
-from gateway.auth import key_matches, presented_key
-from gateway.cli import (
+from gateway.cli.main import (
     _parser,
     bind_warning,
     client_url,
@@ -16,12 +14,14 @@ from gateway.cli import (
     is_loopback,
     server_settings,
 )
-from gateway.errors import InvalidRequest
-from gateway.generation import choice_seed, requests_for
-from gateway.metrics import Metrics, render
-from gateway.openai_format import Usage, legacy_logprobs
-from gateway.protocol import openai as wire
-from gateway.settings import ServerSettings
+from gateway.core.auth import key_matches, presented_key
+from gateway.core.errors import InvalidRequest
+from gateway.core.generation import choice_seed, requests_for
+from gateway.core.metrics import Metrics, render
+from gateway.core.settings import ServerSettings
+from gateway.openai import adapt as adapters
+from gateway.openai import wire
+from gateway.openai.emit import Usage, legacy_logprobs
 from runtime.engine import EngineStats
 from runtime.types import FinishReason, GenerationStats, SamplingParams, TokenLogprob, TopLogprob
 
@@ -333,7 +333,7 @@ def test_cli_server_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     ("flag", "value"), [("--parser", "nonsense"), ("--template-family", "qwen9")]
 )
 def test_unknown_parser_or_template_family_is_refused_at_startup(flag: str, value: str) -> None:
-    from gateway.cli import _engine_settings, _parser
+    from gateway.cli.main import _engine_settings, _parser
 
     args = _parser().parse_args(["serve", flag, value])
     with pytest.raises(SystemExit, match="unknown"):
@@ -341,7 +341,7 @@ def test_unknown_parser_or_template_family_is_refused_at_startup(flag: str, valu
 
 
 def test_known_overrides_reach_the_engine_settings() -> None:
-    from gateway.cli import _engine_settings, _parser
+    from gateway.cli.main import _engine_settings, _parser
 
     args = _parser().parse_args(
         ["serve", "--parser", "hermes", "--template-family", "qwen3", "--prefix-cache-bytes", "1G"]

@@ -18,9 +18,9 @@ from typing import Any, TextIO
 
 import pytest
 
-from gateway import store as store_mod
-from gateway.progress import Progress, format_bytes
-from gateway.store import (
+from gateway.cli import store as store_mod
+from gateway.cli.progress import Progress, format_bytes
+from gateway.cli.store import (
     ALIASES,
     ChecksumMismatch,
     FetchError,

@@ -14,7 +14,7 @@ import pytest
 openai = pytest.importorskip("openai")
 from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 
-from gateway.serving import build_served  # noqa: E402
+from gateway.core.serving import build_served  # noqa: E402
 from tests.live_server import live_server  # noqa: E402
 
 pytestmark = pytest.mark.real_model

@@ -6,8 +6,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from gateway.errors import NotFound
-from gateway.served import ServedModel
+from gateway.core.errors import NotFound
+from gateway.core.served import ServedModel
 
 
 async def prefix_cache(request: Request) -> JSONResponse:

@@ -4,6 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Routes that answer errors in Anthropic's shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
 
 class APIError(Exception):
     status = 500
@@ -22,6 +39,20 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+
+    @property
+    def anthropic_type(self) -> str:
+        """Anthropic's error type for this status."""
+        return _ANTHROPIC_TYPES.get(
+            self.status, "api_error" if self.status >= 500 else "invalid_request_error"
+        )
+
+    def anthropic_body(self) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
+
+    def body_for(self, path: str) -> dict[str, Any]:
+        """The error JSON in the dialect of the route at `path`."""
+        return self.anthropic_body() if is_anthropic_path(path) else self.openai_body()
 
     def openai_body(self) -> dict[str, Any]:
         return {

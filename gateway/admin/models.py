@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from gateway.served import ServedModel
+from gateway.core.served import ServedModel
 
 
 def model_card(served: ServedModel) -> dict[str, object]:

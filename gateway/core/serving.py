@@ -7,8 +7,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.capabilities import detect
-from gateway.served import ServedModel
+from gateway.core.capabilities import detect
+from gateway.core.served import ServedModel
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import parsers
-from gateway import adapters
-from gateway.capabilities import tool_call_opener
-from gateway.chat_output import ChatOutput
-from gateway.errors import InvalidRequest, Unprocessable
-from gateway.generation import (
+from gateway.core.generation import (
     DONE,
     Generations,
     budget,
@@ -26,78 +22,14 @@ from gateway.generation import (
     submit,
     until_disconnect,
 )
-from gateway.http import read_json, served_model, server_settings, validate
-from gateway.openai_format import FINISH, ChatStream, Usage, logprobs_content
-from gateway.protocol.openai import ChatCompletionRequest
-from gateway.served import ServedModel
+from gateway.core.http import read_json, served_model, server_settings, validate
+from gateway.core.plan import ChatPlan
+from gateway.core.prepare import check_chat, new_parser, prepare
+from gateway.openai import adapt as adapters
+from gateway.openai.chat_output import ChatOutput
+from gateway.openai.emit import FINISH, ChatStream, Usage, logprobs_content
+from gateway.openai.wire import ChatCompletionRequest
 from runtime.types import Finished, FinishReason, TextDelta, TokenLogprob
-from templates import TemplateError
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A rendered request: prompt tokens, and how to read what the model writes."""
-
-    tokens: list[int]
-    parser_name: str
-    think: parsers.ThinkMode
-    prefix: str  # text the prompt ends with that belongs to the reply (forced tool call)
-
-
-def _render(served: ServedModel, plan: adapters.ChatPlan) -> str:
-    if adapters.has_images(plan.messages) and not served.vision:
-        raise InvalidRequest(
-            f"The model {served.id!r} has no vision: send text content only.",
-            param="messages",
-            code="model_has_no_vision",
-        )
-    try:
-        return served.renderer.render(plan.messages, plan.tools.tools, plan.options)
-    except TemplateError as exc:
-        raise Unprocessable(
-            f"The model's chat template rejected these messages: {exc}",
-            param="messages",
-            code="template_error",
-        ) from None
-
-
-def prepare(served: ServedModel, plan: adapters.ChatPlan) -> Prepared:
-    text = _render(served, plan)
-    caps = served.caps
-    think: parsers.ThinkMode = parsers.think_mode(text) if caps.thinking else False
-    prefix = ""
-    if plan.tools.choice in ("required", "named"):
-        # with one tool, "required" can only mean that tool: name it, so the model
-        # cannot wander off into an undeclared one
-        only = plan.tools.tools[0].name if len(plan.tools.tools) == 1 else None
-        opener = tool_call_opener(caps.parser, plan.tools.name or only)
-        if opener is None:
-            raise InvalidRequest(
-                f"tool_choice {plan.tools.choice!r} cannot be enforced for this model's "
-                "tool-call format; use 'auto'",
-                param="tool_choice",
-            )
-        # a prompt that leaves the model inside <think> is closed first: the call comes now
-        prefix = ("</think>\n\n" if think == "open" else "") + opener
-    tokens = served.loaded.tokenizer.encode_prompt(text + prefix)
-    return Prepared(tokens, caps.parser, think, prefix)
-
-
-def _new_parser(prep: Prepared, plan: adapters.ChatPlan) -> parsers.Parser:
-    parser = parsers.create(prep.parser_name, tools=plan.tools.schemas or None, think=prep.think)
-    if prep.prefix:
-        parser.feed(prep.prefix)  # the opener is part of the reply; it emits nothing yet
-    return parser
-
-
-def _check_chat(served: ServedModel) -> None:
-    if not served.caps.chat:
-        raise InvalidRequest(
-            f"The model {served.id!r} has no chat template, so chat messages cannot be "
-            "rendered; send a raw prompt to /v1/completions instead.",
-            param="messages",
-            code="model_has_no_chat_template",
-        )
 
 
 async def chat_completions(request: Request) -> Response:
@@ -105,15 +37,20 @@ async def chat_completions(request: Request) -> Response:
     settings = server_settings(request)
     req = validate(ChatCompletionRequest, await read_json(request))
     served.check_model(req.model)
-    _check_chat(served)
-    plan = adapters.chat_plan(req, vocab_size=served.vocab_size, tools_supported=served.caps.tools)
+    check_chat(served)
+    plan = adapters.chat_plan(
+        req,
+        vocab_size=served.vocab_size,
+        tools_supported=served.caps.tools,
+        defaults=served.sampling_defaults,
+    )
     # rendering and tokenizing a long conversation takes a while: keep it off the event loop
     prep = await to_thread.run_sync(prepare, served, plan)
     max_tokens = budget(
         served, settings, len(prep.tokens), plan.max_tokens, param=plan.max_tokens_field
     )
     # one parser per choice, made before anything is queued, so a bad one is a plain error
-    readers = [_new_parser(prep, plan) for _ in range(plan.n)]
+    readers = [new_parser(prep, plan) for _ in range(plan.n)]
     wanted = requests_for(prep.tokens, max_tokens, plan.sampling, plan.stop, plan.n)
     gens = submit(served, wanted, settings, request.app.state.metrics)
     fmt = ChatStream(model=served.id)
@@ -140,7 +77,7 @@ async def _stream_choice(
     gens: Generations,
     index: int,
     fmt: ChatStream,
-    plan: adapters.ChatPlan,
+    plan: ChatPlan,
     parser: parsers.Parser,
     state: _Choice,
 ) -> AsyncIterator[dict[str, Any]]:
@@ -169,7 +106,7 @@ async def _stream_choice(
 
 
 async def _stream(
-    gens: Generations, fmt: ChatStream, plan: adapters.ChatPlan, readers: list[parsers.Parser]
+    gens: Generations, fmt: ChatStream, plan: ChatPlan, readers: list[parsers.Parser]
 ) -> AsyncIterator[dict[str, Any]]:
     totals = Usage()
     for index, parser in enumerate(readers):
@@ -189,7 +126,7 @@ async def _stream(
 
 
 async def _collect_choice(
-    gens: Generations, index: int, plan: adapters.ChatPlan, parser: parsers.Parser
+    gens: Generations, index: int, plan: ChatPlan, parser: parsers.Parser
 ) -> _Choice:
     state = _Choice(ChatOutput(parallel=plan.tools.parallel))
     async for event in gens.events(index):
@@ -209,7 +146,7 @@ async def _collect_choice(
 
 
 async def _collect(
-    gens: Generations, fmt: ChatStream, plan: adapters.ChatPlan, readers: list[parsers.Parser]
+    gens: Generations, fmt: ChatStream, plan: ChatPlan, readers: list[parsers.Parser]
 ) -> dict[str, Any]:
     totals = Usage()
     choices = []

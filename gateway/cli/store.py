@@ -29,7 +29,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import BinaryIO, TextIO
 
-from gateway.progress import Progress, format_bytes, is_interactive, note
+from gateway.cli.progress import Progress, format_bytes, is_interactive, note
 
 _CHUNK = 1 << 20
 _GGUF_MAGIC = b"GGUF"

@@ -14,17 +14,17 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.types import Message
 
-from gateway.errors import APIError, InternalError, InvalidRequest, Overloaded, RateLimited
-from gateway.metrics import Metrics
-from gateway.served import ServedModel
-from gateway.settings import ServerSettings
+from gateway.core.errors import APIError, InternalError, InvalidRequest, Overloaded, RateLimited
+from gateway.core.metrics import Metrics
+from gateway.core.served import ServedModel
+from gateway.core.settings import ServerSettings
 from runtime.engine import EngineStopped, QueueFull, RequestHandle
 from runtime.types import (
     Finished,
@@ -186,34 +186,50 @@ def sse_data(payload: dict[str, Any]) -> dict[str, Any]:
 DONE = {"data": "[DONE]"}
 
 
+ErrorEvents = Callable[[APIError], list[dict[str, Any]]]
+
+
+def openai_error_events(err: APIError) -> list[dict[str, Any]]:
+    return [sse_data(err.openai_body()), DONE]
+
+
 async def _guarded(
-    body: AsyncIterator[dict[str, Any]], gens: Generations
+    body: AsyncIterator[dict[str, Any]], gens: Generations, on_error: ErrorEvents
 ) -> AsyncIterator[dict[str, Any]]:
-    """An error after the stream began goes out as an SSE error event, then [DONE]: the
+    """An error after the stream began goes out as the dialect's SSE error event(s): the
     status line is already sent, and a dropped connection would tell the client nothing."""
     try:
         async for item in body:
             yield item
     except APIError as exc:
-        yield sse_data(exc.openai_body())
-        yield DONE
+        for item in on_error(exc):
+            yield item
     except Exception as exc:
         log.exception("stream failed")
-        yield sse_data(InternalError(f"internal error: {type(exc).__name__}: {exc}").openai_body())
-        yield DONE
+        for item in on_error(InternalError(f"internal error: {type(exc).__name__}: {exc}")):
+            yield item
     finally:
         gens.cancel()  # frees the engine when the client left mid-stream
 
 
 def sse_response(
-    body: AsyncIterator[dict[str, Any]], gens: Generations, settings: ServerSettings
+    body: AsyncIterator[dict[str, Any]],
+    gens: Generations,
+    settings: ServerSettings,
+    *,
+    on_error: ErrorEvents = openai_error_events,
+    ping: Callable[[], ServerSentEvent] | None = None,
 ) -> EventSourceResponse:
+    """`ping` makes the keepalive a named event (Anthropic's `event: ping`) instead of
+    an SSE comment."""
+
     async def client_gone(_: Message) -> None:
         gens.cancel()
 
     return EventSourceResponse(
-        _guarded(body, gens),
+        _guarded(body, gens, on_error),
         ping=settings.keepalive_seconds,
+        ping_message_factory=ping,
         send_timeout=30,
         client_close_handler_callable=client_gone,
     )

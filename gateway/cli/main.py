@@ -10,8 +10,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gateway.serving import EngineSettings
-from gateway.settings import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, ServerSettings
+from gateway.core.serving import EngineSettings
+from gateway.core.settings import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, ServerSettings
 
 DEFAULT_MODEL = "smollm2-135m"
 ENV_PREFIX = "MLX_GATEWAY_"
@@ -69,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=_env("MODEL", DEFAULT_MODEL), help="alias or path")
     s.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     s.add_argument("--port", type=int, default=int(_env("PORT", "8000")))
-    s.add_argument("--model-id", default=None, help="name clients use (default: alias or file name)")
+    s.add_argument(
+        "--model-id", default=None, help="name clients use (default: alias or file name)"
+    )
     _engine_args(s)
     _server_args(s)
 
@@ -188,7 +190,9 @@ def _engine_settings(args: argparse.Namespace) -> EngineSettings:
     import templates
 
     if args.parser and args.parser not in parsers.names():
-        raise SystemExit(f"error: unknown --parser {args.parser!r}; known: {', '.join(parsers.names())}")
+        raise SystemExit(
+            f"error: unknown --parser {args.parser!r}; known: {', '.join(parsers.names())}"
+        )
     families = sorted(templates.builtin_families())
     if args.template_family and args.template_family not in families:
         raise SystemExit(
@@ -205,7 +209,7 @@ def _engine_settings(args: argparse.Namespace) -> EngineSettings:
 
 
 def _resolve(name: str) -> tuple[Path, str]:
-    from gateway.store import Store, UnknownModel
+    from gateway.cli.store import Store, UnknownModel
 
     try:
         path = Store().resolve(name)
@@ -219,7 +223,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.serving import build_served
+    from gateway.core.serving import build_served
 
     server = server_settings(args)
     path, model_id = _resolve(args.model)
@@ -242,7 +246,7 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _list(_: argparse.Namespace) -> int:
-    from gateway.store import Store
+    from gateway.cli.store import Store
 
     for item in Store().list():
         mark = "*" if item.present else " "
@@ -266,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _pull(args)
     if args.command == "list":
         return _list(args)
-    from gateway.chat_cli import run_chat
+    from gateway.cli.chat import run_chat
 
     path, model_id = _resolve(args.model)
     return run_chat(path, model_id, args, _engine_settings(args))

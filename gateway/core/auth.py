@@ -8,7 +8,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.errors import Unauthorized
+from gateway.core.errors import Unauthorized
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -50,5 +50,7 @@ class ApiKeyMiddleware:
         )
         err = Unauthorized(message, code="invalid_api_key")
         headers = {"WWW-Authenticate": 'Bearer realm="mlx-gateway"'}
-        response = JSONResponse(err.openai_body(), status_code=err.status, headers=headers)
+        response = JSONResponse(
+            err.body_for(scope["path"]), status_code=err.status, headers=headers
+        )
         await response(scope, receive, send)

@@ -7,11 +7,12 @@ from anyio import to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from gateway import adapters
-from gateway.errors import InvalidRequest, Unprocessable
-from gateway.http import read_json, served_model, validate
-from gateway.protocol.openai import DetokenizeRequest, TokenizeRequest
-from gateway.served import ServedModel
+from gateway.core.errors import InvalidRequest, Unprocessable
+from gateway.core.http import read_json, served_model, validate
+from gateway.core.plan import render_options
+from gateway.core.served import ServedModel
+from gateway.openai import adapt as adapters
+from gateway.openai.wire import DetokenizeRequest, TokenizeRequest
 from templates import TemplateError
 
 
@@ -24,7 +25,7 @@ def _chat_tokens(served: ServedModel, req: TokenizeRequest) -> list[int]:
         )
     messages = adapters.to_messages(req.messages or [])
     tools = adapters.tool_plan(req.tools, None, None, supported=served.caps.tools)
-    options = adapters.options(
+    options = render_options(
         req.chat_template_kwargs, None, add_generation_prompt=req.add_generation_prompt
     )
     try:

@@ -7,42 +7,24 @@ an InvalidRequest naming it; nothing is silently dropped.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from gateway.errors import InvalidRequest
-from gateway.protocol import openai as wire
+from gateway.core.errors import InvalidRequest
+from gateway.core.plan import (
+    ChatPlan,
+    SamplingFields,
+    ToolPlan,
+    render_options,
+    resolve_sampling,
+    stops,
+)
+from gateway.core.plan import tool_plan as neutral_tool_plan
+from gateway.openai import wire
 from runtime.types import SamplingParams
-from templates.types import ImagePart, Message, RenderOptions, TextPart, Tool, ToolCall
-
-MAX_STOP_STRINGS = 16
-
-
-@dataclass(frozen=True)
-class ToolPlan:
-    """Which tools the model sees and how a call is demanded of it."""
-
-    tools: tuple[Tool, ...] = ()  # rendered into the prompt
-    schemas: tuple[dict[str, Any], ...] = ()  # OpenAI-shaped, for the output parser
-    choice: str = "none"  # "none" | "auto" | "required" | "named"
-    name: str | None = None  # the function, for choice "named"
-    parallel: bool = True
-
-
-@dataclass(frozen=True)
-class ChatPlan:
-    messages: tuple[Message, ...]
-    tools: ToolPlan
-    options: RenderOptions
-    sampling: SamplingParams
-    max_tokens: int | None
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool
-    n: int = 1
-    max_tokens_field: str = "max_tokens"  # the field the client used, for error messages
-
+from templates.types import ImagePart, Message, TextPart, Tool, ToolCall
 
 _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 _IMAGE_PARTS = frozenset({"image_url", "input_image"})
@@ -111,7 +93,8 @@ def to_messages(messages: list[wire.ChatMessage]) -> tuple[Message, ...]:
     for i, msg in enumerate(messages):
         if msg.role == "tool" and not msg.tool_call_id:
             raise InvalidRequest(
-                f"messages[{i}] has role 'tool' but no tool_call_id", param=f"messages[{i}].tool_call_id"
+                f"messages[{i}] has role 'tool' but no tool_call_id",
+                param=f"messages[{i}].tool_call_id",
             )
         role = "system" if msg.role == "developer" else msg.role
         out.append(
@@ -125,22 +108,6 @@ def to_messages(messages: list[wire.ChatMessage]) -> tuple[Message, ...]:
             )
         )
     return tuple(out)
-
-
-def has_images(messages: tuple[Message, ...]) -> bool:
-    return any(
-        isinstance(m.content, tuple) and any(isinstance(p, ImagePart) for p in m.content)
-        for m in messages
-    )
-
-
-def stops(stop: str | list[str] | None) -> tuple[str, ...]:
-    items = [stop] if isinstance(stop, str) else list(stop or ())
-    if len(items) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
-    if any(s == "" for s in items):
-        raise InvalidRequest("stop strings must not be empty", param="stop")
-    return tuple(dict.fromkeys(items))
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
@@ -158,34 +125,45 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
                 param="logit_bias",
             )
         if not -100.0 <= value <= 100.0:
-            raise InvalidRequest("logit_bias values must be between -100 and 100", param="logit_bias")
+            raise InvalidRequest(
+                "logit_bias values must be between -100 and 100", param="logit_bias"
+            )
         out[token] = float(value)
     return out
 
 
 def sampling_params(
-    req: wire.SamplingFields, vocab_size: int, *, logprobs: bool = False, top_logprobs: int = 0
+    req: wire.SamplingFields,
+    vocab_size: int,
+    defaults: Mapping[str, float] | None = None,
+    *,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
 ) -> SamplingParams:
-    return SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_k=req.top_k or 0,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        min_p=req.min_p or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
+    """`defaults`: the model's recommended sampling, for fields the request leaves out."""
+    sent = SamplingFields(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
         logit_bias=MappingProxyType(_logit_bias(req.logit_bias, vocab_size)),
         seed=req.seed,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
     )
+    return resolve_sampling(sent, defaults)
 
 
-def _chat_sampling(req: wire.ChatCompletionRequest, vocab_size: int) -> SamplingParams:
+def _chat_sampling(
+    req: wire.ChatCompletionRequest, vocab_size: int, defaults: Mapping[str, float] | None
+) -> SamplingParams:
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
     return sampling_params(
-        req, vocab_size, logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0
+        req, vocab_size, defaults, logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0
     )
 
 
@@ -199,7 +177,9 @@ def _tool_choice(choice: str | dict[str, Any] | None, names: set[str]) -> tuple[
                 param="tool_choice",
             )
         if choice == "required" and not names:
-            raise InvalidRequest("tool_choice 'required' needs a non-empty tools list", param="tools")
+            raise InvalidRequest(
+                "tool_choice 'required' needs a non-empty tools list", param="tools"
+            )
         return (choice if names else "none"), None
     function = choice.get("function") if choice.get("type") == "function" else None
     name = function.get("name") if isinstance(function, dict) else None
@@ -209,7 +189,9 @@ def _tool_choice(choice: str | dict[str, Any] | None, names: set[str]) -> tuple[
             param="tool_choice",
         )
     if name not in names:
-        raise InvalidRequest(f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
+        raise InvalidRequest(
+            f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
+        )
     return "named", name
 
 
@@ -221,25 +203,13 @@ def tool_plan(
     supported: bool,
 ) -> ToolPlan:
     tools = tools or []
-    names = [t.function.name for t in tools]
-    if len(set(names)) != len(names):
-        raise InvalidRequest("tool names must be unique", param="tools")
-    choice, name = _tool_choice(tool_choice, set(names))
-    if choice == "none":
-        return ToolPlan()  # tool_choice none: tools are neither rendered nor parsed
-    if not supported:
-        raise InvalidRequest(
-            "this model's chat template has no tool-calling format; omit tools or set "
-            "tool_choice to 'none'",
-            param="tools",
-        )
+    choice, name = _tool_choice(tool_choice, {t.function.name for t in tools})
     rendered = tuple(
         Tool(t.function.name, t.function.description, MappingProxyType(t.function.parameters or {}))
         for t in tools
     )
-    schemas = tuple(t.model_dump(exclude_none=True) for t in tools)
     parallel = True if parallel_tool_calls is None else parallel_tool_calls
-    return ToolPlan(rendered, schemas, choice, name, parallel)
+    return neutral_tool_plan(rendered, choice, name, parallel, supported=supported)
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -276,23 +246,13 @@ def _refuse_unsupported(req: wire.ChatCompletionRequest) -> None:
         )
 
 
-def options(
-    kwargs: dict[str, Any] | None,
-    reasoning_effort: str | None,
+def chat_plan(
+    req: wire.ChatCompletionRequest,
     *,
-    add_generation_prompt: bool = True,
-) -> RenderOptions:
-    extra: dict[str, Any] = dict(kwargs or {})
-    thinking = extra.pop("enable_thinking", None)
-    return RenderOptions(
-        add_generation_prompt=add_generation_prompt,
-        enable_thinking=None if thinking is None else bool(thinking),
-        reasoning_effort=reasoning_effort,
-        extra=MappingProxyType(extra),
-    )
-
-
-def chat_plan(req: wire.ChatCompletionRequest, *, vocab_size: int, tools_supported: bool) -> ChatPlan:
+    vocab_size: int,
+    tools_supported: bool,
+    defaults: Mapping[str, float] | None = None,
+) -> ChatPlan:
     _refuse_unsupported(req)
     max_tokens = req.max_completion_tokens or req.max_tokens
     return ChatPlan(
@@ -300,8 +260,8 @@ def chat_plan(req: wire.ChatCompletionRequest, *, vocab_size: int, tools_support
         tools=tool_plan(
             req.tools, req.tool_choice, req.parallel_tool_calls, supported=tools_supported
         ),
-        options=options(req.chat_template_kwargs, req.reasoning_effort),
-        sampling=_chat_sampling(req, vocab_size),
+        options=render_options(req.chat_template_kwargs, req.reasoning_effort),
+        sampling=_chat_sampling(req, vocab_size, defaults),
         max_tokens=max_tokens,
         stop=stops(req.stop),
         stream=req.stream,
@@ -373,7 +333,9 @@ def _choices(req: wire.CompletionRequest) -> tuple[int, int]:
     return n, best_of
 
 
-def completion_plan(req: wire.CompletionRequest, *, vocab_size: int) -> CompletionPlan:
+def completion_plan(
+    req: wire.CompletionRequest, *, vocab_size: int, defaults: Mapping[str, float] | None = None
+) -> CompletionPlan:
     if req.suffix:
         raise _refuse("suffix", "insertion (fill-in-the-middle) is not supported yet")
     n, best_of = _choices(req)
@@ -388,7 +350,9 @@ def completion_plan(req: wire.CompletionRequest, *, vocab_size: int) -> Completi
     want = req.logprobs is not None or best_of > n
     return CompletionPlan(
         prompts=_prompts(req.prompt, vocab_size),
-        sampling=sampling_params(req, vocab_size, logprobs=want, top_logprobs=req.logprobs or 0),
+        sampling=sampling_params(
+            req, vocab_size, defaults, logprobs=want, top_logprobs=req.logprobs or 0
+        ),
         max_tokens=max_tokens,
         stop=stops(req.stop),
         stream=req.stream,

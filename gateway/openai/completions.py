@@ -15,9 +15,8 @@ from anyio import to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway import adapters
-from gateway.errors import InvalidRequest
-from gateway.generation import (
+from gateway.core.errors import InvalidRequest
+from gateway.core.generation import (
     DONE,
     Generations,
     budget,
@@ -28,11 +27,12 @@ from gateway.generation import (
     submit,
     until_disconnect,
 )
-from gateway.http import read_json, served_model, server_settings, validate
-from gateway.openai_format import FINISH, TextStream, Usage, legacy_logprobs
-from gateway.protocol.openai import CompletionRequest
-from gateway.served import ServedModel
-from gateway.settings import ServerSettings
+from gateway.core.http import read_json, served_model, server_settings, validate
+from gateway.core.served import ServedModel
+from gateway.core.settings import ServerSettings
+from gateway.openai import adapt as adapters
+from gateway.openai.emit import FINISH, TextStream, Usage, legacy_logprobs
+from gateway.openai.wire import CompletionRequest
 from runtime.types import Finished, FinishReason, GenerationRequest, TextDelta, TokenLogprob
 
 
@@ -78,7 +78,9 @@ async def completions(request: Request) -> Response:
     settings = server_settings(request)
     req = validate(CompletionRequest, await read_json(request))
     served.check_model(req.model)
-    plan = adapters.completion_plan(req, vocab_size=served.vocab_size)
+    plan = adapters.completion_plan(
+        req, vocab_size=served.vocab_size, defaults=served.sampling_defaults
+    )
     prompts = await to_thread.run_sync(_encode, served, plan.prompts)
     wanted = _requests(served, settings, plan, prompts)
     fmt = TextStream(model=served.id)

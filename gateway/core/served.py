@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gateway.capabilities import Capabilities
-from gateway.errors import InvalidRequest, NotFound
+from gateway.core.capabilities import Capabilities
+from gateway.core.errors import InvalidRequest, NotFound
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
@@ -25,6 +26,9 @@ class ServedModel:
     caps: Capabilities
     aliases: frozenset[str] = frozenset()
     runner: ModelRunner | None = None
+    # the model's recommended sampling (generation_config.json / GGUF), for fields a
+    # request leaves out: temperature, top_p, top_k, min_p, repetition_penalty
+    sampling_defaults: Mapping[str, float] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

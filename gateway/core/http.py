@@ -9,9 +9,9 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from gateway.errors import InvalidRequest, Overloaded, PayloadTooLarge
-from gateway.served import ServedModel
-from gateway.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
+from gateway.core.errors import InvalidRequest, Overloaded, PayloadTooLarge
+from gateway.core.served import ServedModel
+from gateway.core.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,81 @@
+"""A plan -> prompt tokens and a parser: the part of every chat-like request that is
+the same whatever the dialect (render, check capabilities, force a tool call, encode)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import parsers
+from gateway.core.capabilities import tool_call_opener
+from gateway.core.errors import InvalidRequest, Unprocessable
+from gateway.core.plan import ChatPlan, has_images
+from gateway.core.served import ServedModel
+from templates import TemplateError
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A rendered request: prompt tokens, and how to read what the model writes."""
+
+    tokens: list[int]
+    parser_name: str
+    think: parsers.ThinkMode
+    prefix: str  # text the prompt ends with that belongs to the reply (forced tool call)
+
+
+def check_chat(served: ServedModel, *, param: str = "messages") -> None:
+    if not served.caps.chat:
+        raise InvalidRequest(
+            f"The model {served.id!r} has no chat template, so chat messages cannot be "
+            "rendered; send a raw prompt to /v1/completions instead.",
+            param=param,
+            code="model_has_no_chat_template",
+        )
+
+
+def render(served: ServedModel, plan: ChatPlan) -> str:
+    if has_images(plan.messages) and not served.vision:
+        raise InvalidRequest(
+            f"The model {served.id!r} has no vision: send text content only, or serve a "
+            "model with vision.",
+            param=plan.messages_field,
+            code="model_has_no_vision",
+        )
+    try:
+        return served.renderer.render(plan.messages, plan.tools.tools, plan.options)
+    except TemplateError as exc:
+        raise Unprocessable(
+            f"The model's chat template rejected these messages: {exc}",
+            param=plan.messages_field,
+            code="template_error",
+        ) from None
+
+
+def prepare(served: ServedModel, plan: ChatPlan) -> Prepared:
+    """Render and encode (slow for long conversations: call it off the event loop)."""
+    text = render(served, plan)
+    caps = served.caps
+    think: parsers.ThinkMode = parsers.think_mode(text) if caps.thinking else False
+    prefix = ""
+    if plan.tools.choice in ("required", "named"):
+        # with one tool, "required" can only mean that tool: name it, so the model
+        # cannot wander off into an undeclared one
+        only = plan.tools.tools[0].name if len(plan.tools.tools) == 1 else None
+        opener = tool_call_opener(caps.parser, plan.tools.name or only)
+        if opener is None:
+            raise InvalidRequest(
+                f"tool_choice {plan.tools.choice!r} cannot be enforced for this model's "
+                "tool-call format; use 'auto'",
+                param="tool_choice",
+            )
+        # a prompt that leaves the model inside <think> is closed first: the call comes now
+        prefix = ("</think>\n\n" if think == "open" else "") + opener
+    tokens = served.loaded.tokenizer.encode_prompt(text + prefix)
+    return Prepared(tokens, caps.parser, think, prefix)
+
+
+def new_parser(prep: Prepared, plan: ChatPlan) -> parsers.Parser:
+    parser = parsers.create(prep.parser_name, tools=plan.tools.schemas or None, think=prep.think)
+    if prep.prefix:
+        parser.feed(prep.prefix)  # the opener is part of the reply; it emits nothing yet
+    return parser
