@@ -17,6 +17,7 @@ from starlette.routing import Route
 from gateway.admin.debug import prefix_cache
 from gateway.admin.models import get_model, health, list_models
 from gateway.admin.tokenize import detokenize, tokenize
+from gateway.anthropic.routes import count_tokens, messages, root
 from gateway.core.auth import ApiKeyMiddleware
 from gateway.core.errors import APIError, InternalError
 from gateway.core.metrics import Metrics, MetricsMiddleware, metrics_endpoint
@@ -24,6 +25,7 @@ from gateway.core.served import ServedModel
 from gateway.core.settings import ServerSettings
 from gateway.openai.chat import chat_completions
 from gateway.openai.completions import completions
+from gateway.openai.responses import create_response, delete_response, get_response
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ def _middleware(settings: ServerSettings, metrics: Metrics) -> list[Middleware]:
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(settings.cors_origins),
-                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                 allow_headers=["*"],
                 expose_headers=["Retry-After"],
             )
@@ -87,6 +89,13 @@ def _routes() -> list[Route]:
     return [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        Route("/", root, methods=["GET", "HEAD"]),
+        Route("/api/hello", root, methods=["GET", "HEAD"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),

@@ -71,12 +71,18 @@ class StopMatcher:
         self._node = 0
         self._held = ""  # text after what was emitted; ends with the automaton's suffix
         self._match: int | None = None  # start (in _held) of a complete stop awaiting a verdict
+        self._matched: str | None = None  # the stop string at _match (reported once hit)
         self._stopped = False
 
     @property
     def stopped(self) -> bool:
         """A stop string was hit (by ``feed`` or at ``flush``); nothing more is emitted."""
         return self._stopped
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string that was hit (None until one is): APIs report which one."""
+        return self._matched if self._stopped else None
 
     @property
     def max_len(self) -> int:
@@ -98,6 +104,7 @@ class StopMatcher:
             length = auto.match_len[node]
             if length and (match is None or pos - length < match):
                 match = pos - length
+                self._matched = buf[match:pos]
             # Decided once no stop that starts before the match can still complete.
             if match is not None and pos - auto.depth[node] >= match:
                 self._finish()

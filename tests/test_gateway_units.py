@@ -3,6 +3,9 @@ seeds, request adapters, the Prometheus text, and the CLI's settings."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 from starlette.datastructures import Headers
 
@@ -349,3 +352,28 @@ def test_known_overrides_reach_the_engine_settings() -> None:
     settings = _engine_settings(args)
     assert (settings.parser, settings.template_family) == ("hermes", "qwen3")
     assert settings.prefix_cache_bytes == 1024**3
+
+
+def test_forced_named_call_keeps_the_events_its_opener_produced() -> None:
+    """The prompt ends inside the call (`tool_call_opener`); for a tool whose arguments
+    are all optional the parser has already started the call there, and that start must
+    reach the client ahead of the model's own text."""
+    from gateway.core.capabilities import tool_call_opener
+    from gateway.core.plan import tool_plan as neutral_tool_plan
+    from gateway.core.prepare import Prepared, new_parser
+    from parsers.events import ToolCallArgs, ToolCallEnd, ToolCallStart
+    from templates.types import Tool
+
+    tool = Tool("ping", None, {"type": "object", "properties": {"host": {"type": "string"}}})
+    plan = dataclasses.replace(
+        _plan(), tools=neutral_tool_plan((tool,), "named", "ping", True, supported=True)
+    )
+    opener = tool_call_opener("hermes", "ping")
+    assert opener is not None
+    parser = new_parser(Prepared([], "hermes", False, opener), plan)
+    events = parser.feed("}}\n</tool_call>") + parser.finish()
+    starts = [e for e in events if isinstance(e, ToolCallStart)]
+    assert [s.name for s in starts] == ["ping"]
+    args = "".join(e.fragment for e in events if isinstance(e, ToolCallArgs))
+    assert json.loads(args) == {}
+    assert any(isinstance(e, ToolCallEnd) for e in events)

@@ -10,7 +10,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.core.errors import Unauthorized
 
-OPEN_PATHS = frozenset({"/health"})
+# Claude Code probes `HEAD /` and `HEAD /api/hello` without its key before it starts;
+# they answer 200 and reveal nothing
+OPEN_PATHS = frozenset({"/health", "/", "/api/hello"})
 
 
 def presented_key(headers: Headers) -> str | None:

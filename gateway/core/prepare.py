@@ -10,6 +10,7 @@ from gateway.core.capabilities import tool_call_opener
 from gateway.core.errors import InvalidRequest, Unprocessable
 from gateway.core.plan import ChatPlan, has_images
 from gateway.core.served import ServedModel
+from parsers.events import Event
 from templates import TemplateError
 
 
@@ -74,8 +75,28 @@ def prepare(served: ServedModel, plan: ChatPlan) -> Prepared:
     return Prepared(tokens, caps.parser, think, prefix)
 
 
+class _Primed:
+    """A parser already fed the forced opener: whatever the opener produced (a
+    ToolCallStart, for a named call) comes out ahead of the model's first events."""
+
+    def __init__(self, parser: parsers.Parser, prefix: str) -> None:
+        self._parser = parser
+        self._pending = parser.feed(prefix)
+
+    def _take(self, events: list[Event]) -> list[Event]:
+        if not self._pending:
+            return events
+        out, self._pending = [*self._pending, *events], []
+        return out
+
+    def feed(self, text: str) -> list[Event]:
+        return self._take(self._parser.feed(text))
+
+    def finish(self) -> list[Event]:
+        return self._take(self._parser.finish())
+
+
 def new_parser(prep: Prepared, plan: ChatPlan) -> parsers.Parser:
     parser = parsers.create(prep.parser_name, tools=plan.tools.schemas or None, think=prep.think)
-    if prep.prefix:
-        parser.feed(prep.prefix)  # the opener is part of the reply; it emits nothing yet
-    return parser
+    # the opener is part of the reply: the model continues from inside it
+    return _Primed(parser, prep.prefix) if prep.prefix else parser

@@ -56,6 +56,11 @@ def _part(part: wire.ContentPart, where: str) -> TextPart | ImagePart:
     )
 
 
+def content_part(part: wire.ContentPart, where: str) -> TextPart | ImagePart:
+    """One text, refusal or image part, for every OpenAI dialect (chat and Responses)."""
+    return _part(part, where)
+
+
 def _content(msg: wire.ChatMessage, index: int) -> str | tuple[TextPart | ImagePart, ...] | None:
     if msg.content is None:
         if msg.role == "assistant":
