@@ -1,10 +1,11 @@
-"""The real clients' captured requests (shared/fixtures/clients) replayed against a live
-SmolLM2 server: each gets a 200 or a clear 4xx naming what to change, never a 500.
+"""The real clients' captured requests (shared/fixtures/clients) replayed whole against a
+live server, on the route each client used: every one gets a 200 and a well-formed
+stream, and a client's second request reuses the prefix its first one left in the cache.
 
-SmolLM2's template has no tool format, so the OpenAI-dialect captures are refused on
-`tools`; replayed without tools (and with every text cut short, so the prefill stays
-quick on a CPU) their message shapes are served. Codex and Claude Code speak other APIs
-(Responses, Anthropic Messages): they must get a clear 4xx, not a 500.
+The model is the tiny random Qwen3 with the real Qwen3 tokenizer and template (tools and
+thinking): it prefills the 10k-30k-token agent prompts in about a second, so the whole
+prompts are replayed, tools and all. Its output is noise; only the wire is judged here
+(the dialects' own suites check bodies and events against the SDK types in detail).
 """
 
 from __future__ import annotations
@@ -15,102 +16,161 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from openai.types.chat import ChatCompletionChunk
 
+from gateway.core.prepare import prepare
 from gateway.core.serving import build_served
+from gateway.openai import adapt as chat_adapt
+from gateway.openai import wire as chat_wire
+from gateway.openai.responses_adapt import response_plan
+from gateway.openai.responses_wire import ResponsesRequest
 from tests.live_server import live_server
-from tests.openai_checks import chat_chunks, chat_texts, error_of, post, stream
 
-pytestmark = pytest.mark.real_model
-
-MODEL = "smollm2-135m"
-CHAT = "/v1/chat/completions"
-OPENAI_CHAT = [
-    "openclaw_first_request_chat",
-    "openclaw_tool_result_request_chat",
-    "opencode_first_request_chat",
-]
-OTHER_DIALECTS = {
-    "codex_first_request": "/v1/responses",
-    "codex_tool_result_request": "/v1/responses",
-    "openclaw_first_request_responses": "/v1/responses",
-    "claude_code_first_request": "/v1/messages",
-    "claude_code_tool_result_request": "/v1/messages",
-    "openclaw_first_request_anthropic": "/v1/messages",
-}
+MODEL = "tiny-qwen3"
 ENV = "MLX_GATEWAY_CLIENT_FIXTURES"
+CHAT, RESPONSES, MESSAGES = "/v1/chat/completions", "/v1/responses", "/v1/messages"
 
 
-@pytest.fixture(scope="module")
-def fixtures_dir() -> Path:
+def _folder() -> Path | None:
     """shared/fixtures/clients in the checkout or next to it, or the folder named by $ENV."""
     root = Path(__file__).resolve().parent.parent
     candidates = [Path(os.environ[ENV])] if os.environ.get(ENV) else []
     candidates += [root / "shared/fixtures/clients", root.parent / "shared/fixtures/clients"]
-    for folder in candidates:
-        if (folder / "opencode_first_request_chat.json").is_file():
-            return folder
-    pytest.skip(f"no captured client requests (set {ENV} to shared/fixtures/clients)")
+    return next((f for f in candidates if (f / "codex_first_request.json").is_file()), None)
 
 
-@pytest.fixture(scope="module")
-def base_url(smollm2_gguf: Path) -> Iterator[str]:
-    with live_server(lambda: build_served(smollm2_gguf, model_id=MODEL)) as url:
-        yield url
+def _names() -> list[str]:
+    folder = _folder()
+    return sorted(p.stem for p in folder.glob("*.json")) if folder else ["(none captured)"]
 
 
-def _load(folder: Path, name: str) -> dict[str, Any]:
+def _load(name: str) -> dict[str, Any]:
+    folder = _folder()
+    if folder is None:
+        pytest.skip(f"no captured client requests (set {ENV} to shared/fixtures/clients)")
     data: dict[str, Any] = json.loads((folder / f"{name}.json").read_text())
     return data
 
 
-def _cut(value: Any, keep: int = 160) -> Any:
-    """Every string shortened, the structure kept."""
-    if isinstance(value, str):
-        return value[:keep]
-    if isinstance(value, list):
-        return [_cut(v, keep) for v in value]
-    if isinstance(value, dict):
-        return {
-            k: (
-                v
-                if k in ("role", "type", "id", "tool_call_id", "name", "arguments")
-                else _cut(v, keep)
-            )
-            for k, v in value.items()
-        }
-    return value
+def _route(name: str, body: dict[str, Any]) -> str:
+    """The API a capture was sent to: Responses bodies carry `input`; Claude Code and
+    OpenClaw's Anthropic provider speak Messages; the rest Chat Completions."""
+    if "input" in body:
+        return RESPONSES
+    if name.startswith("claude_code") or name.endswith("_anthropic"):
+        return MESSAGES
+    return CHAT
 
 
-@pytest.mark.parametrize("name", OPENAI_CHAT)
-def test_openai_dialect_captures(base_url: str, fixtures_dir: Path, name: str) -> None:
-    captured = _load(fixtures_dir, name)
-    assert captured["stream"] is True
-    err = error_of(post(base_url, CHAT, captured), 404)  # as captured: a model we do not serve
-    assert err["param"] == "model" and "fake-model" in err["message"]
-    ours = {**captured, "model": MODEL}
-    err = error_of(post(base_url, CHAT, ours), 400)  # SmolLM2 cannot call tools
-    assert err["param"] == "tools" and "tool" in err["message"]
-    shapes = {k: v for k, v in ours.items() if k not in ("tools", "tool_choice")}
-    shapes["messages"] = _cut(ours["messages"])
-    for key in ("max_tokens", "max_completion_tokens"):
-        if key in shapes:
-            shapes[key] = 4
-    chunks = chat_chunks(stream(base_url, CHAT, shapes))
-    assert list(chat_texts(chunks)) == [0]
-    assert chunks[-1].usage is not None  # stream_options.include_usage was asked for
+def _limited(route: str, body: dict[str, Any], n: int) -> dict[str, Any]:
+    field = {RESPONSES: "max_output_tokens", MESSAGES: "max_tokens"}.get(route)
+    out = {**body, "model": MODEL, "stream": True}
+    if field is None:
+        out.pop("max_tokens", None)
+        out["max_completion_tokens"] = n
+        out["stream_options"] = {"include_usage": True}
+    else:
+        out[field] = n
+    return out
 
 
-@pytest.mark.parametrize("name", sorted(OTHER_DIALECTS))
-def test_other_dialects_get_a_clear_4xx(base_url: str, fixtures_dir: Path, name: str) -> None:
-    path = fixtures_dir / f"{name}.json"
-    if not path.is_file():
-        pytest.skip(f"{name} not captured")
-    body = json.loads(path.read_text())
-    r = post(base_url, OTHER_DIALECTS[name], body)
-    assert r.status_code < 500, r.text
-    if r.status_code >= 400:
-        error_of(r, r.status_code)
-    wrong = post(base_url, CHAT, body)  # sent to the chat route by mistake
-    error_of(wrong, wrong.status_code)
-    assert 400 <= wrong.status_code < 500
+@pytest.fixture(scope="module")
+def base_url(tiny_qwen3_dir: Path) -> Iterator[str]:
+    with live_server(lambda: build_served(tiny_qwen3_dir, model_id=MODEL)) as url:
+        yield url
+
+
+def _events(base_url: str, route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stream's data payloads, after checking the status and the SSE framing."""
+    headers = {"anthropic-version": "2023-06-01"} if route == MESSAGES else {}
+    with httpx.stream(
+        "POST", base_url + route, json=body, headers=headers, timeout=300
+    ) as r:  # fmt: skip
+        assert r.status_code == 200, r.read().decode()[:500]
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = list(r.iter_lines())
+    names = [ln[6:].strip() for ln in lines if ln.startswith("event:")]
+    datas = [ln[5:].strip() for ln in lines if ln.startswith("data:")]
+    if route == CHAT:
+        assert datas[-1] == "[DONE]"
+        return [json.loads(d) for d in datas[:-1]]
+    events = [json.loads(d) for d in datas]
+    # named events, each naming its own payload's type (Claude Code and Codex need both)
+    assert names == [e["type"] for e in events]
+    return events
+
+
+def _usage(route: str, events: list[dict[str, Any]]) -> tuple[int, int]:
+    """(prompt tokens, cached tokens) of a finished stream."""
+    if route == CHAT:
+        chunks = [ChatCompletionChunk.model_validate(e) for e in events]
+        usage = chunks[-1].usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        return usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0
+    if route == RESPONSES:
+        last = events[-1]
+        assert last["type"] in ("response.completed", "response.incomplete"), last["type"]
+        u = last["response"]["usage"]
+        return u["input_tokens"], u["input_tokens_details"]["cached_tokens"]
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
+    u = next(e for e in reversed(events) if e["type"] == "message_delta")["usage"]
+    cached = u.get("cache_read_input_tokens") or 0
+    return u["input_tokens"] + cached + (u.get("cache_creation_input_tokens") or 0), cached
+
+
+@pytest.mark.parametrize("name", _names())
+def test_every_capture_is_served_whole(base_url: str, name: str) -> None:
+    body = _load(name)
+    route = _route(name, body)
+    prompt, _ = _usage(route, _events(base_url, route, _limited(route, body, 4)))
+    assert prompt > 1000  # the whole agent prompt went in, tools and all
+
+
+def _tokens(served: Any, route: str, body: dict[str, Any]) -> list[int]:
+    """The prompt tokens the server renders for a body, computed here in-process."""
+    if route == CHAT:
+        req = chat_wire.ChatCompletionRequest.model_validate(body)
+        plan = chat_adapt.chat_plan(req, vocab_size=served.vocab_size, tools_supported=True)
+    else:
+        plan = response_plan(
+            ResponsesRequest.model_validate(body),
+            history=[],
+            lookup=lambda _: None,
+            open_sealed=lambda _: None,
+            tools_supported=True,
+        ).plan
+    return prepare(served, plan).tokens
+
+
+PAIRS = [
+    ("codex_first_request", "codex_tool_result_request"),
+    ("openclaw_first_request_chat", "openclaw_tool_result_request_chat"),
+]
+
+
+@pytest.mark.parametrize(("first", "second"), PAIRS)
+def test_second_request_reuses_the_shared_prefix(
+    tiny_qwen3_dir: Path, base_url: str, first: str, second: str
+) -> None:
+    """(Claude Code's pair, with its per-request attribution line, is checked in
+    test_anthropic.py.) Cached tokens are within 64 of the prompts' common prefix."""
+    a_body, b_body = _load(first), _load(second)
+    route = _route(first, a_body)
+    # a first line no other test sent: nothing of this conversation is cached before
+    tag = f"Replay {os.getpid()}-{first}."
+    if route == CHAT:
+        for body in (a_body, b_body):
+            body["messages"] = [{"role": "system", "content": tag}, *body["messages"]]
+    else:
+        for body in (a_body, b_body):
+            body["instructions"] = tag + "\n" + str(body.get("instructions") or "")
+    served = build_served(tiny_qwen3_dir, model_id=MODEL)
+    a, b = (_tokens(served, route, {**x, "model": MODEL}) for x in (a_body, b_body))
+    common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+    assert common > 0.9 * len(a)  # the second request extends the first conversation
+    _events(base_url, route, _limited(route, a_body, 1))
+    prompt, cached = _usage(route, _events(base_url, route, _limited(route, b_body, 1)))
+    assert prompt == len(b)
+    assert common - 64 <= cached <= common, (common, cached)
