@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,9 @@ class LoadedModel:
     quantized: bool
     dtype: str
     load_seconds: float = 0.0
+    # generation_config.json as the model's authors wrote it (a GGUF's general.sampling.*
+    # metadata under the same names): their recommended sampling, among other things
+    generation_config: Mapping[str, Any] = field(default_factory=dict)
 
 
 def resolve_dtype(dtype: str | None, default: str | None = None) -> tuple[str, mx.Dtype]:
@@ -190,6 +193,7 @@ def _load_gguf(path: Path, dtype: str | None, keep_quantized: bool) -> LoadedMod
         _quantize_modules(model, converted.quantization)
     _finish(model, converted.weights)
     template = gf.get("tokenizer.chat_template")
+    generation = gguf_generation_config(gf.metadata)
     # A GGUF names one eos id; chat turns end with the vocabulary's end-of-turn token
     # (a base model without a template may still be prompted in its chat format).
     eos = set(tokenizer.eos_token_ids) | set(_int_ids(config.get("eos_token_id")))
@@ -205,7 +209,29 @@ def _load_gguf(path: Path, dtype: str | None, keep_quantized: bool) -> LoadedMod
         context_length=_context_length(config),
         quantized=bool(converted.quantization),
         dtype=dtype_name,
+        generation_config=generation,
     )
+
+
+# gguf-py's Keys.General.SAMPLING_* (written by convert_hf_to_gguf.py from
+# generation_config.json) -> generation_config.json's own names
+_GGUF_SAMPLING = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def gguf_generation_config(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling a GGUF's metadata recommends, named as in generation_config.json."""
+    out: dict[str, Any] = {}
+    for key, name in _GGUF_SAMPLING.items():
+        value = metadata.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = value
+    return out
 
 
 # -- folders ------------------------------------------------------------------------------
@@ -332,10 +358,9 @@ def _load_folder(folder: Path, dtype: str | None, keep_quantized: bool) -> Loade
         weights = _cast_floats(weights, mx_dtype)
     _finish(model, weights)
     tokenizer = Tokenizer.from_folder(folder)
-    generation = folder / "generation_config.json"
+    generation = _read_generation_config(folder)
     eos = set(tokenizer.eos_token_ids) | set(_int_ids(config.get("eos_token_id")))
-    if generation.is_file():
-        eos.update(_int_ids(json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id")))
+    eos.update(_int_ids(generation.get("eos_token_id")))
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -347,4 +372,17 @@ def _load_folder(folder: Path, dtype: str | None, keep_quantized: bool) -> Loade
         context_length=_context_length(config),
         quantized=quantized,
         dtype=dtype_name,
+        generation_config=generation,
     )
+
+
+def _read_generation_config(folder: Path) -> dict[str, Any]:
+    file = folder / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        log.warning("%s is not valid JSON (%s); ignoring it", file, exc)
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -15,15 +15,20 @@ tokens. Every other node is paged out: it holds snapshots. A request:
    also for a cancelled request); `discard(lease)` drops the live state after an error.
 
 Snapshot bytes are kept within `budget_bytes` by evicting the least recently used nodes
-(then the deepest, then the largest), merging chains a removal leaves single-child. The
-invariant: with greedy sampling, any sequence of requests yields the same tokens as
-running every request from scratch. A failed restore falls back to a clean state.
+(then the deepest, then the largest), merging chains a removal leaves single-child.
+Nodes holding a pinned prompt (runtime/prefix_pins.py) go after every unpinned one; when
+only pinned state is left over the budget it is evicted too (memory wins), with a log
+line. The invariant: with greedy sampling, any sequence of requests yields the same
+tokens as running every request from scratch. A failed restore falls back to a clean
+state. Each `begin` files a report of what was reused and why not more
+(runtime/prefix_report.py); the last few are kept for the debug view.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -31,7 +36,10 @@ from typing import Generic, TypeVar
 import mlx.core as mx
 
 from runtime.cache import LayerCache, Snapshot
+from runtime.prefix_pins import Pins, label
+from runtime.prefix_report import CacheReport, EvictionMemory, continuation, disabled, report
 from runtime.prefix_trie import ImageKey, Key, Node, Trie, image_keys
+from runtime.types import PrefixPin
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,7 @@ class Lease(Generic[C]):
     snapshot_points: tuple[int, ...]
     tokens: tuple[Key, ...]
     serial: int
+    report: CacheReport | None = None  # what was reused, and why not more
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,8 @@ class PrefixCache(Generic[C]):
         budget_bytes: int,
         snapshot_interval: int = 1024,
         tail_keep: int = 4,
+        clock: Callable[[], float] = time.monotonic,
+        reports: int = 32,
     ) -> None:
         if budget_bytes < 0 or snapshot_interval < 1 or tail_keep < 1:
             raise ValueError("budget_bytes >= 0, snapshot_interval >= 1, tail_keep >= 1")
@@ -86,6 +97,9 @@ class PrefixCache(Generic[C]):
         self._serial = 0
         self._tick = 0
         self._counts: Counter[str] = Counter()
+        self._pins = Pins(clock)
+        self._evicted = EvictionMemory()
+        self._reports: deque[CacheReport] = deque(maxlen=reports)
 
     @property
     def enabled(self) -> bool:
@@ -93,8 +107,9 @@ class PrefixCache(Generic[C]):
 
     # -- the request lifecycle --
 
-    def begin(self, tokens: Sequence[Key]) -> Lease[C]:
-        """Position the live caches on the longest usable cached prefix of `tokens`."""
+    def begin(self, tokens: Sequence[Key], *, pin: PrefixPin | None = None) -> Lease[C]:
+        """Position the live caches on the longest usable cached prefix of `tokens`;
+        a `pin` keeps this prompt ahead of unpinned state in eviction for its TTL."""
         if not tokens:
             raise ValueError("cannot begin an empty prompt")
         if self._lease is not None:
@@ -104,24 +119,50 @@ class PrefixCache(Generic[C]):
         self._serial += 1
         self._counts["requests"] += 1
         self._counts["prompt_tokens"] += len(keys)
+        tag = None if pin is None else label(pin)
         if not self.enabled:
-            lease = Lease(list(self._make()), 0, (), keys, self._serial)
+            lease = Lease(
+                list(self._make()), 0, (), keys, self._serial,
+                disabled(self._serial, len(keys), tag),
+            )  # fmt: skip
         else:
             self._tick += 1
-            try:
-                reused, branch = self._position(keys)
-            except Exception:
-                log.exception("prefix cache: positioning failed; starting clean")
-                self._counts["restore_failures"] += 1
-                self._clear_live()
-                reused, branch = 0, 0
-            points = self._snapshot_points(len(keys), reused, branch)
-            lease = Lease(self._caches, reused, points, keys, self._serial)
-            self._counts["hits"] += reused > 0
-            self._counts["reused_tokens"] += reused
-            log.debug("prefix cache: reused %d of %d tokens", reused, len(keys))
+            if pin is not None:
+                self._pins.add(keys, pin)
+            lease = self._begin_cached(keys, tag)
+            self._counts["hits"] += lease.reused > 0
+            self._counts["reused_tokens"] += lease.reused
+        assert lease.report is not None
+        self._reports.append(lease.report)
         self._lease = lease
         return lease
+
+    def _begin_cached(self, keys: tuple[Key, ...], tag: str | None) -> Lease[C]:
+        path, matched = self._trie.match(keys[:-1])  # always leave one token to run
+        cached = continuation(path, matched)
+        evicted = [(n.end, n.evicted) for n in path[1:]]
+        after = matched < len(keys) - 1 and self._evicted.knows(keys, matched)
+        try:
+            reused, branch, failed = self._position(path, matched)
+        except Exception:
+            log.exception("prefix cache: positioning failed; starting clean")
+            self._counts["restore_failures"] += 1
+            self._clear_live()
+            reused, branch, failed = 0, 0, True
+        points = self._snapshot_points(len(keys), reused, branch)
+        why = report(
+            serial=self._serial,
+            keys=keys,
+            matched=matched,
+            reused=reused,
+            cached=cached,
+            evicted_on_path=any(flag and end > reused for end, flag in evicted),
+            evicted_after=after,
+            failed=failed,
+            pin=tag,
+        )
+        log.debug("prefix cache: reused %d of %d tokens (%s)", reused, len(keys), why.reason.value)
+        return Lease(self._caches, reused, points, keys, self._serial, why)
 
     def snapshot_at(self, lease: Lease[C], offset: int) -> None:
         """Called by prefill when every cache is at `offset` (one of the snapshot points)."""
@@ -173,9 +214,9 @@ class PrefixCache(Generic[C]):
 
     # -- positioning --
 
-    def _position(self, keys: tuple[Key, ...]) -> tuple[int, int]:
-        """Bring the live caches to the deepest reachable prefix; return (it, match end)."""
-        path, matched = self._trie.match(keys[:-1])  # always leave one token to run
+    def _position(self, path: list[Node], matched: int) -> tuple[int, int, bool]:
+        """Bring the live caches to the deepest reachable prefix of the matched `path`;
+        return (it, match end, whether a restore failed)."""
         branch = matched
         while True:
             target, plans = self._plan(path, matched, self._live_common(path, matched))
@@ -193,7 +234,7 @@ class PrefixCache(Generic[C]):
             log.warning("prefix cache: restore failed; starting clean")
             self._counts["restore_failures"] += 1
             self._clear_live()
-            return 0, branch
+            return 0, branch, True
         self._path = live
         for node in live:
             node.last_used = self._tick
@@ -201,7 +242,7 @@ class PrefixCache(Generic[C]):
             self._fill(live[-1])  # a branch point: give caches that cannot rewind a restore point
         mx.eval([a for c in self._caches for a in c.state])
         self._enforce_budget()
-        return target, branch
+        return target, branch, False
 
     def _live_common(self, path: list[Node], matched: int) -> int:
         """How many of the matched tokens the live caches already hold."""
@@ -357,22 +398,40 @@ class PrefixCache(Generic[C]):
 
     def _enforce_budget(self) -> None:
         active = {id(n) for n in self._path}
+        pinned: set[int] | None = None  # found only when something must go
         while self._trie.paged_bytes > self.budget_bytes:
-            victim = self._pick_victim(active)
+            if pinned is None:
+                pinned = self._pins.nodes(self._trie)
+            victim = self._pick_victim(active, pinned)
             if victim is None:
                 break
+            if id(victim) in pinned:
+                # memory safety wins over a client's pin, but say so
+                log.warning(
+                    "prefix cache: evicting pinned state at tokens [%d, %d): the pinned "
+                    "prompts alone exceed --prefix-cache-bytes (%d bytes)",
+                    victim.start, victim.end, self.budget_bytes,
+                )  # fmt: skip
+                self._counts["pinned_evictions"] += 1
             self._evict(victim, active)
             self._counts["evictions"] += 1
         self._prune(active)
 
-    def _pick_victim(self, active: set[int]) -> Node | None:
-        """Off the live path first; then least recently used, deepest, largest."""
+    def _pick_victim(self, active: set[int], pinned: set[int]) -> Node | None:
+        """Off the live path first, unpinned first; then least recently used, deepest,
+        largest."""
         best: Node | None = None
-        best_key: tuple[bool, int, int, int] | None = None
+        best_key: tuple[bool, bool, int, int, int] | None = None
         for node in self._trie.walk():
             if not node.has_snapshots():
                 continue
-            key = (id(node) in active, node.last_used, -node.end, -node.snapshot_bytes())
+            key = (
+                id(node) in active,
+                id(node) in pinned,
+                node.last_used,
+                -node.end,
+                -node.snapshot_bytes(),
+            )
             if best_key is None or key < best_key:
                 best, best_key = node, key
         return best
@@ -380,10 +439,13 @@ class PrefixCache(Generic[C]):
     def _evict(self, node: Node, active: set[int]) -> None:
         if id(node) in active or len(node.children) > 1:
             self._trie.set_snapshots(node, [])  # keep the node: a branch, or live
+            node.evicted = True
         elif node.children:
             self._trie.merge_with_child(node)
+            node.evicted = True  # its own part of the edge lost its restore point
         else:
             parent = node.parent
+            self._evicted.remember(node)
             self._trie.remove_leaf(node)
             self._merge_chain(parent, active)
 
@@ -410,6 +472,8 @@ class PrefixCache(Generic[C]):
             if not useful[id(node)] and node.parent is not None:
                 if useful[id(node.parent)]:
                     orphaned[id(node.parent)] = node.parent
+                if node.evicted:
+                    self._evicted.remember(node)
                 self._trie.remove_leaf(node)
         for parent in orphaned.values():
             self._merge_chain(parent, active)
@@ -428,7 +492,16 @@ class PrefixCache(Generic[C]):
             "paged_bytes": self._trie.paged_bytes,
             "budget_bytes": self.budget_bytes,
             "live_tokens": self._path[-1].end,
+            "pins": len(self._pins),
         }
+
+    def recent(self) -> list[CacheReport]:
+        """The last requests' reports, oldest first (the newest is the last)."""
+        return list(self._reports)
+
+    def pins(self) -> list[dict[str, object]]:
+        """The live pins, soonest to expire first, with how much of each is in the trie."""
+        return self._pins.describe(self._trie)
 
     def dump(self) -> str:
         """The trie, one node per line; `*` marks the live path."""
@@ -459,6 +532,7 @@ _COUNTS = (
     "reused_tokens",
     "page_outs",
     "evictions",
+    "pinned_evictions",
     "restore_failures",
     "discards",
 )
@@ -468,4 +542,4 @@ def _shape(snap: Snapshot | None) -> tuple[int, int, int] | None:
     return None if snap is None else (snap.base, snap.floor, snap.end)
 
 
-__all__ = ["ImageKey", "Key", "Lease", "PrefixCache", "image_keys"]
+__all__ = ["CacheReport", "ImageKey", "Key", "Lease", "PrefixCache", "PrefixPin", "image_keys"]

@@ -37,7 +37,7 @@ def image_keys(digest: str, count: int) -> list[ImageKey]:
 
 
 class Node:
-    __slots__ = ("children", "end", "keys", "last_used", "parent", "snapshots")
+    __slots__ = ("children", "end", "evicted", "keys", "last_used", "parent", "snapshots")
 
     def __init__(
         self, keys: tuple[Key, ...], end: int, parent: Node | None, last_used: int
@@ -48,6 +48,9 @@ class Node:
         self.children: dict[Key, Node] = {}
         self.snapshots: list[Snapshot | None] = []  # per layer, or empty: none at all
         self.last_used = last_used
+        # eviction dropped state this node had (cleared when it gets snapshots again):
+        # tells "evicted" from "never snapshotted" when a request cannot restore here
+        self.evicted = False
 
     @property
     def start(self) -> int:
@@ -61,6 +64,15 @@ class Node:
 
     def snapshot_bytes(self) -> int:
         return sum(s.nbytes for s in self.snapshots if s is not None)
+
+    def prefix_keys(self, extra: int = 0) -> tuple[Key, ...]:
+        """The keys from the root to this node's start, plus its first `extra` keys."""
+        parts = [self.keys[:extra]]
+        node = self.parent
+        while node is not None:
+            parts.append(node.keys)
+            node = node.parent
+        return tuple(k for part in reversed(parts) for k in part)
 
     def __repr__(self) -> str:
         return f"Node[{self.start},{self.end})"
@@ -121,6 +133,7 @@ class Trie:
             if old is not None:
                 old.close()
         node.snapshots = list(snaps) if any(s is not None for s in snaps) else []
+        node.evicted = node.evicted and not node.snapshots
         self.paged_bytes += node.snapshot_bytes()
 
     def set_snapshot(self, node: Node, layer: int, snap: Snapshot) -> None:
@@ -130,6 +143,7 @@ class Trie:
         if node.snapshots[layer] is not None:
             raise ValueError(f"{node} already has a snapshot for layer {layer}")
         node.snapshots[layer] = snap
+        node.evicted = False
         self.paged_bytes += snap.nbytes
 
     # -- structure --
@@ -148,6 +162,7 @@ class Trie:
             raise ValueError(f"cannot split {node} at {at}")
         cut = at - node.start
         upper = Node(node.keys[:cut], at, parent, node.last_used)
+        upper.evicted = node.evicted
         parent.children[upper.keys[0]] = upper
         node.keys = node.keys[cut:]
         node.parent = upper

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,7 @@ class _Progress:
     generated: list[int] = field(default_factory=list)
     first_at: float | None = None
     reason: FinishReason = FinishReason.LENGTH
+    stop_string: str | None = None  # the stop string that ended it, if one did
 
 
 class ModelRunner:
@@ -92,6 +94,20 @@ class ModelRunner:
         with self.lock:
             return self.prefix.dump()
 
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.loaded.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def prefix_cache_view(self) -> dict[str, Any]:
+        """The trie, its counters, the live pins and the last requests' cache reports
+        (oldest first, token ids decoded), taken while no request runs."""
+        with self.lock:
+            return {
+                "stats": self.prefix.stats(),
+                "pins": self.prefix.pins(),
+                "recent": [r.describe(self._decode) for r in self.prefix.recent()],
+                "trie": self.prefix.dump().splitlines(),
+            }
+
     def run(self, handle: RequestHandle) -> Finished:
         if self._stream is None:
             self._stream = mx.new_stream(mx.default_device())
@@ -109,7 +125,9 @@ class ModelRunner:
             )
         mx.reset_peak_memory()
         start = time.perf_counter()
-        lease = self.prefix.begin(prompt)
+        lease = self.prefix.begin(prompt, pin=req.pin)
+        if lease.report is not None and log.isEnabledFor(logging.DEBUG):
+            log.debug("request %d: %s", lease.serial, lease.report.log_line(self._decode))
         progress = _Progress(prompt, lease.reused)
         tokens = generate_tokens(
             self.loaded.model,
@@ -151,11 +169,13 @@ class ModelRunner:
             if sampled.token_id in eos:
                 progress.reason = FinishReason.STOP
                 handle._emit(TextDelta(_drain(detok, stops)[0], (sampled.token_id,), logprobs))
+                progress.stop_string = stops.matched  # held-back text may have ended in one
                 return
             text, hit = stops.feed(detok.add(sampled.token_id))
             handle._emit(TextDelta(text, (sampled.token_id,), logprobs))
             if hit:
                 progress.reason = FinishReason.STOP
+                progress.stop_string = stops.matched
                 return
             if handle.cancelled:
                 progress.reason = FinishReason.CANCELLED
@@ -163,8 +183,9 @@ class ModelRunner:
         tail, hit = _drain(detok, stops)
         if tail:
             handle._emit(TextDelta(tail))
-        if hit:
+        if hit or stops.stopped:
             progress.reason = FinishReason.STOP
+            progress.stop_string = stops.matched
 
     def _finish(self, progress: _Progress, start: float) -> Finished:
         end = time.perf_counter()
@@ -184,7 +205,7 @@ class ModelRunner:
             stats.prompt_tokens - progress.reused, stats.completion_tokens,
             stats.prefill_tps, stats.decode_tps,
         )
-        return Finished(progress.reason, stats)
+        return Finished(progress.reason, stats, stop_string=progress.stop_string)
 
 
 def _drain(detok: StreamingDetokenizer, stops: StopMatcher) -> tuple[str, bool]:

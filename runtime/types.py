@@ -46,6 +46,16 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class PrefixPin:
+    """Keep this request's prompt in the prefix cache ahead of unpinned entries for `ttl`
+    seconds (Anthropic cache_control, OpenAI prompt_cache_key), while the byte budget
+    allows. `key` names the client's cache group, for the debug view."""
+
+    ttl: float = 300.0
+    key: str | None = None
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One generation, as the engine sees it: tokens in, token events out."""
 
@@ -55,6 +65,7 @@ class GenerationRequest:
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
     prefill_chunk: int | None = None  # None = the engine's default
+    pin: PrefixPin | None = None  # keep the prompt's cached prefix ahead in eviction
 
 
 class FinishReason(str, Enum):
@@ -114,6 +125,7 @@ class Finished:
     reason: FinishReason
     stats: GenerationStats
     error: str | None = None
+    stop_string: str | None = None  # which stop string ended it (reason STOP), if one did
 
 
 GenerationEvent = TextDelta | Finished

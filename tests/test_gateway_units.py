@@ -311,6 +311,8 @@ def test_cli_server_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         "MAX_BODY_BYTES",
         "MAX_PROMPT_TOKENS",
         "MAX_TOKENS_CAP",
+        "DEFAULT_MAX_TOKENS",
+        "STRICT_MAX_TOKENS",
     ):
         monkeypatch.delenv(f"MLX_GATEWAY_{name}", raising=False)
     assert server_settings(_parser().parse_args(["serve"])) == ServerSettings()

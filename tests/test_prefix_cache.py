@@ -23,7 +23,9 @@ from hypothesis import strategies as st
 from runtime.cache import ArraySnapshot, KVCache, KVSnapshot, LayerCache
 from runtime.models import build_model
 from runtime.prefix_cache import ImageKey, Key, Lease, PrefixCache, image_keys
+from runtime.prefix_report import MissReason
 from runtime.prefix_trie import Trie
+from runtime.types import PrefixPin
 from tests.recurrent_model import FULL, RECURRENT, SLIDING, HybridModel
 
 ATOL = 1e-4
@@ -123,15 +125,21 @@ def run_request(
     chunk: int = 64,
     cancel_at: float | None = None,
     pipelined: bool = False,
+    pin: PrefixPin | None = None,
 ) -> Outcome:
     """One request through the cache; checks its logits and tokens against the oracle.
 
     `cancel_at` cancels during prefill, after that fraction of the tokens to run.
     `pipelined` feeds the last sampled token too, as pipelined decode leaves it.
     """
-    lease = pc.begin(prompt)
+    lease = pc.begin(prompt, pin=pin)
     pc.verify()
     assert 0 <= lease.reused < len(prompt)
+    why = lease.report
+    assert why is not None and why is pc.recent()[-1]
+    assert why.reused == lease.reused <= why.matched < len(prompt)
+    if why.reason is not MissReason.OFF:
+        assert (why.reason is MissReason.HIT) == (lease.reused == why.matched == len(prompt) - 1)
     assert all(c.offset == lease.reused for c in lease.caches)
     last = len(prompt) - 1
     if cancel_at is not None:
@@ -440,6 +448,12 @@ def test_trie_merge_joins_edges_and_snapshots() -> None:
 # -- the invariant, on random workloads --
 
 
+def _clock() -> tuple[list[float], Any]:
+    """A clock the test moves by hand (pins expire by it)."""
+    now = [0.0]
+    return now, lambda: now[0]
+
+
 @dataclass(frozen=True)
 class Op:
     kind: str  # new | extend | branch | repeat
@@ -450,6 +464,7 @@ class Op:
     cancel_at: float | None
     pipelined: bool
     chunk: int
+    pin: float | None  # a TTL, in ops (the test's clock advances one per op)
 
 
 _OPS = st.builds(
@@ -463,6 +478,7 @@ _OPS = st.builds(
     cancel_at=st.one_of(st.none(), st.none(), st.none(), st.floats(0, 1)),
     pipelined=st.booleans(),
     chunk=st.sampled_from([2, 5, 64]),
+    pin=st.sampled_from([None, None, 1.5, 4.0, 100.0]),
 )
 _SYSTEM = (1, 2, 3, 4, 5, 6)
 
@@ -479,16 +495,20 @@ def _prompt(op: Op, convs: list[list[Key]], last: list[list[Key]]) -> tuple[list
     return last[i], i
 
 
-def _play(pc: PrefixCache[Any], model: Model, oracle: Oracle, ops: list[Op]) -> None:
+def _play(
+    pc: PrefixCache[Any], model: Model, oracle: Oracle, ops: list[Op], now: list[float]
+) -> None:
     convs: list[list[Key]] = []
     last: list[list[Key]] = []
     with tracked_snapshots() as created:
         for op in ops:
             prompt, i = _prompt(op, convs, last)
+            pin = None if op.pin is None else PrefixPin(ttl=op.pin)
             out = run_request(
                 pc, model, oracle, prompt, op.max_new,
-                chunk=op.chunk, cancel_at=op.cancel_at, pipelined=op.pipelined,
+                chunk=op.chunk, cancel_at=op.cancel_at, pipelined=op.pipelined, pin=pin,
             )  # fmt: skip
+            now[0] += 1
             pc.verify()
             check_snapshots(pc, created)
             history = prompt if out.cancelled else [*prompt, *out.generated]
@@ -520,7 +540,12 @@ def test_cache_on_equals_cache_off(
     tail: int,
 ) -> None:
     model = models[kind]
+    now, clock = _clock()
     pc = PrefixCache(
-        model.make_caches, budget_bytes=budget, snapshot_interval=interval, tail_keep=tail
+        model.make_caches,
+        budget_bytes=budget,
+        snapshot_interval=interval,
+        tail_keep=tail,
+        clock=clock,
     )
-    _play(pc, model, oracles[kind], ops)
+    _play(pc, model, oracles[kind], ops, now)

@@ -45,6 +45,7 @@ SECURE = ServerSettings(
     max_body_bytes=64 * 1024,
     max_prompt_tokens=300,
     max_tokens_cap=16,
+    strict_max_tokens=True,  # the caps answer with OpenAI's 400s, not a clamp
 )
 
 

@@ -1,4 +1,5 @@
-"""GET /debug/prefix-cache: the prefix trie's statistics and a dump of its nodes."""
+"""GET /debug/prefix-cache: the prefix trie's counters, its nodes, the live pins and the
+last requests' cache reports (what each reused, and why not more)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,6 @@ async def prefix_cache(request: Request) -> JSONResponse:
     runner = served.runner
     if runner is None:
         raise NotFound("this server has no prefix cache")
-    # the dump waits for the running request to finish: keep it off the event loop
-    dump = await run_in_threadpool(runner.dump_prefix_cache)
-    return JSONResponse({"stats": runner.prefix.stats(), "trie": dump.splitlines()})
+    # the view waits for the running request to finish: keep it off the event loop
+    view = await run_in_threadpool(runner.prefix_cache_view)
+    return JSONResponse(view)

@@ -23,6 +23,7 @@ from starlette.types import Message
 
 from gateway.core.errors import APIError, InternalError, InvalidRequest, Overloaded, RateLimited
 from gateway.core.metrics import Metrics
+from gateway.core.plan import CachePin
 from gateway.core.served import ServedModel
 from gateway.core.settings import ServerSettings
 from runtime.engine import EngineStopped, QueueFull, RequestHandle
@@ -31,6 +32,7 @@ from runtime.types import (
     FinishReason,
     GenerationEvent,
     GenerationRequest,
+    PrefixPin,
     SamplingParams,
     TextDelta,
 )
@@ -56,16 +58,34 @@ def requests_for(
     sampling: SamplingParams,
     stop: tuple[str, ...],
     count: int,
+    *,
+    pin: CachePin | None = None,
 ) -> list[GenerationRequest]:
+    """`pin` (a plan's CachePin) keeps the prompt's cached prefix ahead in eviction."""
+    held = None if pin is None else PrefixPin(ttl=pin.ttl, key=pin.key)
     return [
         GenerationRequest(
             tuple(prompt),
             max_tokens,
             dataclasses.replace(sampling, seed=choice_seed(sampling.seed, i)),
             stop,
+            pin=held,
         )
         for i in range(count)
     ]
+
+
+def output_bound(served: ServedModel, settings: ServerSettings) -> int:
+    """The most a request that sets no output limit generates (before its prompt takes
+    its share of the context): --default-max-tokens, within --max-tokens-cap."""
+    bounds = (settings.default_max_tokens, settings.max_tokens_cap, served.context_length - 1)
+    return min(b for b in bounds if b is not None)
+
+
+def output_limit(served: ServedModel, settings: ServerSettings) -> int:
+    """The most any one request may generate: --max-tokens-cap, within the context."""
+    room = served.context_length - 1
+    return room if settings.max_tokens_cap is None else min(room, settings.max_tokens_cap)
 
 
 def budget(
@@ -77,12 +97,16 @@ def budget(
     param: str = "max_tokens",
     prompt_param: str = "messages",
 ) -> int:
-    """max_tokens to generate, after the context and the server's own caps."""
+    """max_tokens to generate, after the context and the server's own caps: an ask
+    beyond them is clamped (a 400 with --strict-max-tokens), none asked gets
+    --default-max-tokens; a prompt that alone does not fit is a 400."""
     return served.check_fits(
         prompt_tokens,
         max_tokens,
         prompt_cap=settings.max_prompt_tokens,
         tokens_cap=settings.max_tokens_cap,
+        default=settings.default_max_tokens,
+        strict=settings.strict_max_tokens,
         tokens_param=param,
         prompt_param=prompt_param,
     )

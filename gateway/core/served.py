@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import shlex
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -15,6 +17,8 @@ if TYPE_CHECKING:
     from runtime.loader import LoadedModel
     from runtime.runner import ModelRunner
     from templates import Renderer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,14 +47,23 @@ class ServedModel:
     def vision(self) -> bool:
         return self.caps.vision
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every model name this server answers to: its id, then the aliases."""
+        return (self.id, *sorted(self.aliases - {self.id}))
+
     def check_model(self, name: str) -> None:
-        if name != self.id and name not in self.aliases:
-            raise NotFound(
-                f"The model {name!r} does not exist on this server; it serves {self.id!r}. "
-                "Use that name or list models with GET /v1/models.",
-                param="model",
-                code="model_not_found",
-            )
+        if name == self.id or name in self.aliases:
+            return
+        served = ", ".join(repr(n) for n in self.names)
+        raise NotFound(
+            f"The model {name!r} is not served here; this server answers to {served} "
+            "(GET /v1/models lists them). To answer to this name too, restart it with "
+            f"--model-alias {shlex.quote(name)} (repeatable; or add it to the "
+            "comma-separated MLX_GATEWAY_MODEL_ALIAS).",
+            param="model",
+            code="model_not_found",
+        )
 
     def check_fits(
         self,
@@ -59,20 +72,17 @@ class ServedModel:
         *,
         prompt_cap: int | None = None,
         tokens_cap: int | None = None,
+        default: int | None = None,
+        strict: bool = False,
         tokens_param: str = "max_tokens",
         prompt_param: str = "messages",
     ) -> int:
-        """Return the max_tokens to use, or refuse a request that cannot fit.
+        """The number of tokens to generate at most, or refuse a request that cannot fit.
 
-        `prompt_cap` and `tokens_cap` are the server's own limits on top of the context.
+        `prompt_cap` and `tokens_cap` are the server's own limits on top of the context;
+        `default` bounds a request that sets no max_tokens. A max_tokens beyond the room
+        the context leaves (or the cap) is clamped, unless `strict` (OpenAI's 400).
         """
-        if tokens_cap is not None and max_tokens is not None and max_tokens > tokens_cap:
-            raise InvalidRequest(
-                f"{tokens_param} is too large: {max_tokens}. This server allows at most "
-                f"{tokens_cap} completion tokens per request.",
-                param=tokens_param,
-                code="max_tokens_too_large",
-            )
         if prompt_cap is not None and prompt_tokens > prompt_cap:
             raise InvalidRequest(
                 f"The prompt is {prompt_tokens} tokens long; this server accepts at most "
@@ -82,15 +92,49 @@ class ServedModel:
             )
         ctx = self.context_length
         room = ctx - prompt_tokens
-        if room <= 0 or (max_tokens is not None and max_tokens > room):
-            asked = prompt_tokens + (max_tokens or 0)
+        if room <= 0:
             raise InvalidRequest(
-                f"This model's maximum context length is {ctx} tokens. However, you requested "
-                f"{asked} tokens ({prompt_tokens} in the messages, {max_tokens or 0} in the "
-                "completion). Please reduce the length of the messages or completion.",
+                f"The prompt is {prompt_tokens} tokens; this model's context holds {ctx}, "
+                f"so it is {1 - room} tokens over (a reply needs at least one). Shorten "
+                f"the {prompt_param} (drop or summarise earlier turns, trim long tool "
+                "results), or serve a model with a longer context.",
                 param=prompt_param,
                 code="context_length_exceeded",
             )
-        if max_tokens is not None:
-            return max_tokens
-        return room if tokens_cap is None else min(room, tokens_cap)
+        limit = room if tokens_cap is None else min(room, tokens_cap)
+        if max_tokens is None:
+            return limit if default is None else min(limit, default)
+        if strict:
+            self._check_strict(prompt_tokens, max_tokens, tokens_cap, tokens_param, prompt_param)
+        elif max_tokens > limit:
+            log.debug(
+                "%s %d clamped to %d (context room %d)", tokens_param, max_tokens, limit, room
+            )
+        return min(max_tokens, limit)
+
+    def _check_strict(
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        tokens_cap: int | None,
+        tokens_param: str,
+        prompt_param: str,
+    ) -> None:
+        if tokens_cap is not None and max_tokens > tokens_cap:
+            raise InvalidRequest(
+                f"{tokens_param} is too large: {max_tokens}. This server allows at most "
+                f"{tokens_cap} completion tokens per request.",
+                param=tokens_param,
+                code="max_tokens_too_large",
+            )
+        ctx = self.context_length
+        if max_tokens > ctx - prompt_tokens:
+            raise InvalidRequest(
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the messages "
+                f"or completion (this server runs with --strict-max-tokens; without it, "
+                f"{tokens_param} is clamped to what the context leaves).",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )

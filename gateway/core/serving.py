@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gateway.core.capabilities import detect
 from gateway.core.served import ServedModel
@@ -69,6 +72,9 @@ def build_served(
     runner = ModelRunner(model, runner_settings)
     engine = Engine(runner, max_queue=settings.max_queue)
     log.info("%s: capabilities %s", model_id, caps.card())
+    defaults = sampling_defaults(model.generation_config)
+    if defaults:
+        log.info("%s: sampling defaults from the model %s", model_id, defaults)
     return ServedModel(
         id=model_id,
         loaded=model,
@@ -77,4 +83,39 @@ def build_served(
         caps=caps,
         aliases=aliases,
         runner=runner,
+        sampling_defaults=defaults,
     )
+
+
+# generation_config.json's sampling fields, and the values each may take
+_SAMPLING: Mapping[str, Callable[[float], bool]] = {
+    "temperature": lambda v: v >= 0,
+    "top_p": lambda v: 0 < v <= 1,
+    "top_k": lambda v: v >= 0 and v == int(v),
+    "min_p": lambda v: 0 <= v <= 1,
+    "repetition_penalty": lambda v: v > 0,
+}
+
+
+def sampling_defaults(generation: Mapping[str, Any]) -> dict[str, float]:
+    """The sampling the model's authors recommend (generation_config.json, or a GGUF's
+    general.sampling.*), for the fields a request leaves out.
+
+    `do_sample: false` means greedy decoding, as in transformers (the truncation fields
+    then do nothing). A missing do_sample is read as the authors' intent to sample with
+    the values given, not transformers' greedy default: configs that list a temperature
+    mean it. Values out of range are skipped with a warning.
+    """
+    if generation.get("do_sample") is False:
+        return {"temperature": 0.0}
+    out: dict[str, float] = {}
+    for name, valid in _SAMPLING.items():
+        value = generation.get(name)
+        if value is None:
+            continue
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok and math.isfinite(value) and valid(float(value)):
+            out[name] = float(value)
+        else:
+            log.warning("ignoring the model's %s=%r: not a usable value", name, value)
+    return out

@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 API_KEY_ENV = "MLX_GATEWAY_API_KEY"
+# The output bound of a request that sets none. Long enough for a reasoning model to
+# think and then write a file-sized answer; short enough that a model stuck repeating
+# itself (seen: greedy Qwen2.5-Coder-0.5B re-emitting a tool call toward its 32k context
+# for most of an hour) lets go of the engine within minutes.
+DEFAULT_MAX_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -15,13 +20,18 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_prompt_tokens: int | None = None  # None: the model's context length
     max_tokens_cap: int | None = None  # None: whatever room the context leaves
+    # the output bound of a request that sets none; None: what the context leaves
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS
+    # True: a max_tokens over the context's room or the cap is a 400 (OpenAI's answer);
+    # False: it is clamped, and the reply finishes with "length" when it gets there
+    strict_max_tokens: bool = False
     keepalive_seconds: float = 10.0  # SSE comment interval while nothing else is sent
     retry_after_seconds: int = 2  # told to clients when the queue is full
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("an API key cannot be empty")
-        for name in ("max_body_bytes", "max_prompt_tokens", "max_tokens_cap"):
+        for name in ("max_body_bytes", "max_prompt_tokens", "max_tokens_cap", "default_max_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")

@@ -14,6 +14,7 @@ from typing import Any
 
 from gateway.core.errors import InvalidRequest
 from gateway.core.plan import (
+    CachePin,
     ChatPlan,
     SamplingFields,
     ToolPlan,
@@ -273,6 +274,7 @@ def chat_plan(
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         n=req.n or 1,
         max_tokens_field="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
+        pin=CachePin(key=req.prompt_cache_key) if req.prompt_cache_key else None,
     )
 
 

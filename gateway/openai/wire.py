@@ -101,6 +101,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    prompt_cache_key: str | None = None  # pins the prompt's prefix in the cache
     tools: list[ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
