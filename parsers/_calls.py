@@ -1,8 +1,9 @@
 """Content output and tool-call assembly shared by the tool-call formats.
 
 A call is held back (with the raw text it came from) until it can be committed: its
-name is a declared tool and every required argument has begun. From then on its
-arguments stream as JSON text fragments. A call that ends without being committable
+name is a declared tool and every required argument has begun (and, for a gated call,
+its format has opened the gate). From then on its arguments stream as JSON text
+fragments. A call that ends without being committable
 becomes content again, as it was written; a committed call always ends with its JSON
 object closed.
 """
@@ -59,8 +60,9 @@ class Out:
 class _Call:
     """One call in progress (mutable, private to ToolCalls)."""
 
-    def __init__(self, raw: str) -> None:
+    def __init__(self, raw: str, gated: bool) -> None:
         self.raw: list[str] = [raw]
+        self.gated = gated
         self.spec: ToolSpec | None = None
         self.pending: list[str] = []
         self.keys: set[str] = set()
@@ -92,10 +94,17 @@ class ToolCalls:
     def spec(self) -> ToolSpec | None:
         return self._call.spec if self._call else None
 
-    def begin(self, raw: str) -> None:
+    def begin(self, raw: str, *, gated: bool = False) -> None:
+        """A call starts. A gated one cannot commit (nor end as a call) before
+        `open_gate`: untagged JSON is a call only once its arguments have begun."""
         if self._call is not None:
             self.end()
-        self._call = _Call(raw)
+        self._call = _Call(raw, gated)
+
+    def open_gate(self) -> None:
+        if self._call is not None:
+            self._call.gated = False
+            self._try_commit()
 
     def raw(self, text: str) -> None:
         """Records model text of the call, to give back as content if it fails."""
@@ -138,9 +147,11 @@ class ToolCalls:
         self._member_head(key)
         self._emit(value_json)
 
-    def begin_string(self, key: str) -> None:
-        """An argument whose string value follows in `string_chunk` pieces."""
-        self._member_head(key)
+    def begin_string(self, key: str, *, count: bool = True) -> None:
+        """An argument whose string value follows in `string_chunk` pieces. With
+        `count` False it does not count towards the required ones yet (the caller
+        says `seen` when the string is complete)."""
+        self._member_head(key, count)
         self._emit('"')
         if self._call is not None:
             self._call.open_string = True
@@ -172,7 +183,7 @@ class ToolCalls:
             return False
         if call.index < 0:
             spec = call.spec
-            if spec is None or call.doomed or not spec.required <= call.keys:
+            if spec is None or call.doomed or call.gated or not spec.required <= call.keys:
                 self.reject()
                 return False
             self._commit(call, spec)
@@ -183,14 +194,15 @@ class ToolCalls:
         self._out.after_call()
         return True
 
-    def _member_head(self, key: str) -> None:
+    def _member_head(self, key: str, count: bool = True) -> None:
         call = self._call
         if call is None:
             return
         self.end_string()
         self._emit(("{" if call.members == 0 else ", ") + escape_key(key) + ": ")
         call.members += 1
-        self.seen(key)
+        if count:
+            self.seen(key)
 
     def _emit(self, fragment: str) -> None:
         call = self._call
@@ -203,7 +215,7 @@ class ToolCalls:
 
     def _try_commit(self) -> None:
         call = self._call
-        if call is None or call.index >= 0 or call.spec is None or call.doomed:
+        if call is None or call.index >= 0 or call.spec is None or call.doomed or call.gated:
             return
         if call.spec.required <= call.keys:
             self._commit(call, call.spec)

@@ -27,9 +27,14 @@ class ToolSpec:
     name: str
     properties: Mapping[str, Schema] = field(default_factory=dict)
     required: frozenset[str] = frozenset()
+    closed: bool = False  # additionalProperties: false; undeclared arguments are invalid
 
     def schema(self, key: str) -> Schema | None:
         return self.properties.get(key)
+
+    def undeclared(self, key: str) -> bool:
+        """An argument the schema forbids: not declared, and extras are not allowed."""
+        return self.closed and key not in self.properties
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,10 @@ class ToolSet:
 
     def __bool__(self) -> bool:
         return bool(self.specs)
+
+    def has_prefix(self, text: str) -> bool:
+        """Whether some declared tool's name starts with `text`."""
+        return any(name.startswith(text) for name in self.specs)
 
     @staticmethod
     def from_openai(tools: Sequence[Mapping[str, Any]] | None) -> ToolSet:
@@ -59,6 +68,7 @@ class ToolSet:
                 name=fn["name"],
                 properties=dict(props) if isinstance(props, Mapping) else {},
                 required=frozenset(r for r in req or () if isinstance(r, str)),
+                closed=isinstance(params, Mapping) and params.get("additionalProperties") is False,
             )
         return ToolSet(specs)
 
@@ -192,6 +202,29 @@ def coerce_value(value: Any, schema: Schema | None) -> Any:
     if any(k == "string" for k, _ in alts) and isinstance(value, (int, float, bool)):
         return json.dumps(value)
     return value
+
+
+def conforms(value: Any, schema: Schema | None, depth: int = 0) -> bool:
+    """Whether a value (already coerced) has one of the schema's types, its declared
+    properties and items too. Only types: enums, patterns and bounds are the client's
+    to check."""
+    if depth > 64:
+        return True
+    for kind, sub in _alternatives(schema):
+        if not _fits(kind, value):
+            continue
+        if isinstance(value, dict):
+            props = sub.get("properties")
+            if isinstance(props, Mapping) and not all(
+                conforms(v, props[k], depth + 1) for k, v in value.items() if k in props
+            ):
+                continue
+        elif isinstance(value, list):
+            items = sub.get("items")
+            if isinstance(items, Mapping) and not all(conforms(v, items, depth + 1) for v in value):
+                continue
+        return True
+    return False
 
 
 def _coerce_inside(value: Any, schema: Schema) -> Any:

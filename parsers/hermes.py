@@ -8,10 +8,11 @@ Arguments stream as the JSON arrives once the name is known. Several objects ins
 one pair of tags are several calls; stray text inside the tags after a call is
 dropped; a call that cannot be read is given back as content.
 
-Small models (Qwen2.5-Coder-0.5B among them) often write the call object bare, with
-no tags. A reply that *opens* with a JSON object whose only keys are name and
-arguments and whose name is a declared tool is read as a call too; anything else in
-that object (an ordinary JSON answer) is content.
+Small models (Qwen2.5-Coder-0.5B among them) often leave the tags out and write the
+call object bare or in a ```json fence, at the start of the reply or after a
+sentence. Outside the tags such JSON is a call only if it is shaped like one, names a
+declared tool and its arguments check out (parsers/_fenced.py); anything else stays
+content as written.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 from enum import Enum, auto
 
 from parsers._calls import Out, ToolCalls
+from parsers._fenced import JsonCalls
 from parsers._json_call import CallObjectSink, Outcome, end_call, feed_call
 from parsers._json_stream import ObjectScanner
 from parsers._scan import Machine, Markers
@@ -29,9 +31,8 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 class _H(Enum):
-    START = auto()  # nothing but whitespace yet: a bare call object may open the reply
-    CONTENT = auto()
-    CALL = auto()  # reading a call object
+    CONTENT = auto()  # outside the tags: untagged JSON calls are looked for here
+    CALL = auto()  # reading a call object inside the tags
     AFTER = auto()  # inside the tags, after a call object
     SKIP = auto()  # inside the tags, after stray text
 
@@ -43,10 +44,9 @@ class HermesFormat(Machine):
         super().__init__()
         self._out = Out()
         self._calls = ToolCalls(tools, self._out)
-        self._state = _H.START
-        self._bare = False  # the call being read opened the reply without tags
+        self._state = _H.CONTENT
+        self._json = JsonCalls(self._calls, self._out, (OPEN,))
         self._scanner = ObjectScanner(CallObjectSink(self._calls))
-        self._m_content = Markers(OPEN)
         self._m_tags = Markers(OPEN, CLOSE)
 
     def feed(self, text: str) -> list[Event]:
@@ -57,43 +57,34 @@ class HermesFormat(Machine):
         self._run("", final=True)
         if self._state is _H.CALL:
             end_call(self._calls, self._scanner)
+        elif self._state is _H.CONTENT:
+            self._json.finish()
         self._out.flush()
         return self._out.take()
 
     def _markers(self) -> Markers:
-        return self._m_content if self._state in (_H.START, _H.CONTENT) else self._m_tags
+        return self._json.markers() if self._state is _H.CONTENT else self._m_tags
 
-    def _start_call(self, raw: str, *, bare: bool = False) -> None:
+    def _start_call(self, raw: str) -> None:
         self._calls.begin(raw)
-        self._scanner = ObjectScanner(CallObjectSink(self._calls, strict_keys=bare))
-        self._bare = bare
+        self._scanner = ObjectScanner(CallObjectSink(self._calls))
         self._state = _H.CALL
-
-    def _on_start(self, text: str) -> int:
-        body = text.lstrip()
-        if not body:
-            self._out.content(text)
-            return len(text)
-        if body.startswith("{"):
-            self._out.content(text[: len(text) - len(body)])
-            self._start_call(self._out.take_ws(), bare=True)
-            return len(text) - len(body)
-        self._state = _H.CONTENT
-        return 0
 
     def _on_text(self, text: str) -> int:
         state = self._state
-        if state is _H.START:
-            return self._on_start(text)
         if state is _H.CONTENT:
-            self._out.content(text)
-        elif state is _H.CALL:
+            return self._json.on_text(text)
+        if state is _H.CALL:
             used, outcome = feed_call(self._calls, self._scanner, text)
-            if outcome is not Outcome.MORE:
-                done = outcome is Outcome.REJECTED or self._bare
-                self._state = _H.CONTENT if done else _H.AFTER
+            if outcome is Outcome.ENDED:
+                self._state = _H.AFTER
+            elif outcome is Outcome.REJECTED:
+                self._state = _H.CONTENT
+                scanner = self._scanner
+                if not (scanner.done or scanner.failed):
+                    self._json.rest(scanner)  # nothing inside it is read as a call
             return used
-        elif state is _H.AFTER:
+        if state is _H.AFTER:
             body = text.lstrip()
             if body.startswith("{"):
                 self._start_call("")
@@ -103,9 +94,10 @@ class HermesFormat(Machine):
         return len(text)
 
     def _on_marker(self, marker: str) -> None:
-        if self._state is _H.START:
-            self._state = _H.CONTENT
-        if self._state is _H.CALL:
+        state = self._state
+        if state is _H.CONTENT and self._json.on_marker(marker):
+            return
+        if state is _H.CALL:
             if marker == CLOSE:
                 self._calls.raw(marker)
             end_call(self._calls, self._scanner)

@@ -2,9 +2,12 @@
 
     {"name": "get_weather", "parameters": {"city": "Paris"}}
 
-optionally after `<|python_tag|>`, several separated by ";". Only JSON that opens the
-message (or follows the tag) can be a call; any key other than name, parameters,
-arguments or type means it is an ordinary JSON answer, given back as content at once.
+optionally after `<|python_tag|>`, several separated by ";". JSON that opens the
+message (or follows the tag) is read as Llama writes calls: any key other than name,
+parameters, arguments or type means it is an ordinary JSON answer, given back as
+content at once. Later in the message, JSON (bare or in a ```json fence) is a call only
+if it is shaped like one, names a declared tool and its arguments check out
+(parsers/_fenced.py), as for hermes.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import re
 from enum import Enum, auto
 
 from parsers._calls import Out, ToolCalls
+from parsers._fenced import JsonCalls
 from parsers._json_call import CallObjectSink, Outcome, end_call, feed_call
 from parsers._json_stream import ObjectScanner
 from parsers._scan import NO_MARKERS, Machine, Markers
@@ -41,6 +45,7 @@ class Llama3JsonFormat(Machine):
         self._state = _L.START
         self._tag = ""  # a python tag (and padding) not yet known to start a call
         self._scanner = self._new_scanner()
+        self._json = JsonCalls(self._calls, self._out, (PYTHON_TAG,))
         self._m_tag = Markers(PYTHON_TAG)
 
     def _new_scanner(self) -> ObjectScanner:
@@ -54,37 +59,43 @@ class Llama3JsonFormat(Machine):
         self._run("", final=True)
         if self._state is _L.CALL:
             end_call(self._calls, self._scanner)
+        elif self._state is _L.CONTENT:
+            self._json.finish()
         self._out.content(self._tag)
         self._tag = ""
         self._out.flush()
         return self._out.take()
 
     def _markers(self) -> Markers:
-        return self._m_tag if self._state in (_L.START, _L.CONTENT) else NO_MARKERS
+        if self._state is _L.CONTENT:
+            return self._json.markers()
+        return self._m_tag if self._state is _L.START else NO_MARKERS
 
     def _on_text(self, text: str) -> int:
         state = self._state
         if state is _L.CONTENT:
-            self._out.content(text)
-        elif state is _L.CALL:
+            return self._json.on_text(text)
+        if state is _L.CALL:
             used, outcome = feed_call(self._calls, self._scanner, text)
-            if outcome is not Outcome.MORE:
-                self._state = _L.BETWEEN if outcome is Outcome.ENDED else _L.CONTENT
+            if outcome is Outcome.ENDED:
+                self._state = _L.BETWEEN
+            elif outcome is Outcome.REJECTED:
+                self._state = _L.CONTENT
+                if not (self._scanner.done or self._scanner.failed):
+                    self._json.rest(self._scanner)  # a JSON answer is content to its end
             return used
-        else:
-            gap = _GAP if state is _L.BETWEEN else _SPACE
-            hit = gap.match(text)
-            lead = hit.end() if hit else 0
-            if lead == len(text):
-                self._pad(text)
-                return lead
-            self._pad(text[:lead])
-            if text[lead] == "{":
-                self._begin()
-            else:
-                self._to_content()
+        gap = _GAP if state is _L.BETWEEN else _SPACE
+        hit = gap.match(text)
+        lead = hit.end() if hit else 0
+        if lead == len(text):
+            self._pad(text)
             return lead
-        return len(text)
+        self._pad(text[:lead])
+        if text[lead] == "{":
+            self._begin()
+        else:
+            self._to_content()
+        return lead
 
     def _pad(self, text: str) -> None:
         if self._state is _L.START:
@@ -105,6 +116,8 @@ class Llama3JsonFormat(Machine):
         self._state = _L.CONTENT
 
     def _on_marker(self, marker: str) -> None:
+        if self._state is _L.CONTENT and self._json.on_marker(marker):
+            return
         self._out.content(self._tag)
         self._tag = self._out.take_ws() + marker
         self._state = _L.START

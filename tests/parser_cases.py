@@ -5,63 +5,10 @@ Each case is run fed whole, in chunks of 7 and one character at a time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from tests.parser_cases_untagged import UNTAGGED
+from tests.parser_tools import DECLARED, TOOLS, Case, W
 
-from parsers import ThinkMode
-
-
-def _tool(name: str, props: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
-    params = {"type": "object", "properties": props, "required": list(required)}
-    return {"type": "function", "function": {"name": name, "parameters": params}}
-
-
-STR = {"type": "string"}
-TOOLS: list[dict[str, Any]] = [
-    _tool(
-        "get_weather",
-        {"city": STR, "unit": {"type": "string", "enum": ["c", "f"]}, "days": {"type": "integer"}},
-        ("city",),
-    ),
-    _tool(
-        "set_flags",
-        {
-            "enabled": {"type": "boolean"},
-            "ratio": {"type": "number"},
-            "tags": {"type": "array", "items": {"type": "string"}},
-            "meta": {"type": "object", "properties": {"n": {"type": "integer"}}},
-            "nothing": {"type": "null"},
-            "maybe": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
-            "either": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
-            "count": {"type": ["integer", "null"]},
-            "label": STR,
-        },
-    ),
-    _tool("write_file", {"path": STR, "content": STR}, ("path", "content")),
-    _tool("get_time", {}),
-    _tool("func", {"k": STR, "a": STR, "b": STR, "city": STR, "unit": STR}),
-    _tool("get-weather", {"city": STR, "unit": STR}),
-]
-DECLARED = frozenset(t["function"]["name"] for t in TOOLS)
-
-Call = tuple[str, dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class Case:
-    id: str
-    parser: str
-    text: str
-    content: str = ""
-    reasoning: str = ""
-    calls: tuple[Call, ...] = ()
-    think: ThinkMode | None = None
-    tools: list[dict[str, Any]] | None = field(default_factory=lambda: TOOLS)
-
-
-def W(city: str, **more: Any) -> Call:
-    return ("get_weather", {"city": city, **more})
-
+__all__ = ["CASES", "DECLARED", "TOOLS", "Case"]
 
 HERMES = [
     Case("plain", "hermes", "Hello, world!\n", content="Hello, world!\n"),
@@ -84,10 +31,11 @@ HERMES = [
         content='{"name": "launch", "arguments": {}}',
     ),
     Case(
-        "JSON after text is not a call",
+        "bare call object after text",
         "hermes",
         'Try {"name": "get_weather", "arguments": {"city": "Rome"}}',
-        content='Try {"name": "get_weather", "arguments": {"city": "Rome"}}',
+        content="Try",
+        calls=(W("Rome"),),
     ),
     Case(
         "one call",
@@ -509,10 +457,30 @@ LLAMA = [
         content=' {"name": "Ada", "age": 36}',
     ),
     Case(
-        "JSON later in the message is content",
+        "a call later in the message, bare",
         "llama3-json",
         'Here: {"name": "get_time", "parameters": {}}',
-        content='Here: {"name": "get_time", "parameters": {}}',
+        content="Here:",
+        calls=(("get_time", {}),),
+    ),
+    Case(
+        "a call later in the message, fenced",
+        "llama3-json",
+        'Calling it.\n```json\n{"name": "get_weather", "parameters": {"city": "Quito"}}\n```\n',
+        content="Calling it.",
+        calls=(W("Quito"),),
+    ),
+    Case(
+        "JSON later in the message that is not a call is content",
+        "llama3-json",
+        'Here: {"name": "get_time", "when": "now"}',
+        content='Here: {"name": "get_time", "when": "now"}',
+    ),
+    Case(
+        "a JSON answer is content to its end",
+        "llama3-json",
+        '{"name": "Ada", "pets": [{"name": "get_time", "parameters": {}}]}',
+        content='{"name": "Ada", "pets": [{"name": "get_time", "parameters": {}}]}',
     ),
     Case(
         "text after a tag-less call goes on as content",
@@ -582,4 +550,4 @@ THINK = [
     ),
 ]
 
-CASES: list[Case] = [*HERMES, *QWEN3_CODER, *GLM, *DEEPSEEK, *LLAMA, *THINK]
+CASES: list[Case] = [*HERMES, *UNTAGGED, *QWEN3_CODER, *GLM, *DEEPSEEK, *LLAMA, *THINK]

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import parsers
+from parsers._compose import coalesce
 from parsers._schema import coerce_text, coerce_value
 from parsers.events import Content, Event, Reasoning, ToolCallArgs, ToolCallEnd, ToolCallStart
 from tests.parser_cases import CASES, DECLARED, TOOLS, Case
@@ -86,6 +87,23 @@ def test_contract(case: Case, size: int) -> None:
     pieces = [case.text] if size == 0 else chunks(case.text, size)
     got = reconstruct(run(make(case), pieces))
     assert got == Result(case.reasoning, case.content, list(case.calls))
+
+
+def _normal(events: list[Event]) -> list[Event]:
+    """Events with neighbouring text pieces merged and ids blanked (ids are random)."""
+    return [
+        ToolCallStart(e.index, "", e.name) if isinstance(e, ToolCallStart) else e
+        for e in coalesce(events)
+    ]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.parser}: {c.id}" for c in CASES])
+def test_events_do_not_depend_on_chunking(case: Case) -> None:
+    """Not only the rebuilt message: the same events in the same order, however the
+    text is cut (only where text pieces split differs)."""
+    whole = _normal(run(make(case), [case.text]))
+    assert _normal(run(make(case), chunks(case.text, 7))) == whole
+    assert _normal(run(make(case), chunks(case.text, 1))) == whole
 
 
 def test_names_and_api() -> None:
@@ -160,6 +178,47 @@ def test_call_starts_once_required_arguments_begin() -> None:
     assert [type(e) for e in events] == [ToolCallStart, ToolCallArgs]
 
 
+def test_untagged_call_arguments_stream() -> None:
+    """A fenced or bare call starts once its name is a declared tool and its required
+    arguments are complete and fit (a guess cut off inside one stays text); the
+    arguments after them stream as they arrive."""
+    p = parsers.create("hermes", TOOLS)
+    assert p.feed('Checking.\n```json\n{"name": "get_weather", "arguments": {"city": "Par') == [
+        Content("Checking.")
+    ]
+    events = p.feed('is", "unit": "cel')
+    assert [type(e) for e in events] == [ToolCallStart, ToolCallArgs]
+    assert _args_events(events) == ['{"city": "Paris", "unit": "cel']
+    assert _args_events(p.feed("si")) == ["si"]
+    assert run(p, ['us"}}\n```\nDone.']) == [
+        ToolCallArgs(0, 'us"}'),
+        ToolCallEnd(0),
+        Content("Done."),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "more", "shown"),
+    [
+        ("Hi ```", "py", "Hi"),  # not a call's fence language
+        ("```json\n", "print(1)", ""),  # the body is not JSON
+        ('x {"name": "get_w', 'x": 1', "x"),  # no declared tool is called that
+        ("{", '"city": "Paris"', ""),  # the first key is not a call's
+        ('{"type": "function", "name": "get_time", ', '"id": 1', ""),  # nor is this key
+        ("[", "1, 2]", ""),  # not a list of objects
+    ],
+)
+def test_held_text_is_released_once_it_cannot_be_a_call(text: str, more: str, shown: str) -> None:
+    """What could still become a call is held (only that); the first character that
+    rules a call out releases all of it as content, in that same feed."""
+    p = parsers.create("hermes", TOOLS)
+    first = p.feed(text)
+    assert first == ([Content(shown)] if shown else [])
+    after = p.feed(more)
+    assert all(isinstance(e, Content) for e in after)
+    assert shown + "".join(e.text for e in after if isinstance(e, Content)) == text + more
+
+
 def test_ids_unique_per_parser() -> None:
     text = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>' * 20
     starts = [
@@ -231,12 +290,23 @@ def test_long_streams_stay_linear() -> None:
             f"<tool_call>write_file<arg_key>path</arg_key><arg_value>a</arg_value><arg_key>content</arg_key><arg_value>{body}</arg_value></tool_call>",
         ),
         ("think", f"<think>{body}</think>{body}"),
+        (
+            "hermes",
+            'Now:\n```json\n{"name": "write_file", "arguments": {"path": "a", "content": '
+            + json.dumps(body)
+            + "}}\n```",
+        ),
+        ("hermes", "{x} [y] `{` ```\n{\n```\n" * 5000),  # near misses, one after another
+        ("hermes", "```python\n" + body + "```"),
     ]
     for name, text in cases:
         start = time.perf_counter()
         got = reconstruct(run(parsers.create(name, TOOLS), chunks(text, 1)))
         assert time.perf_counter() - start < 30, name
-        assert got.calls == [("write_file", {"path": "a", "content": body})] or name == "think"
+        assert (
+            got.calls == [("write_file", {"path": "a", "content": body})]
+            or "write_file" not in text
+        )
 
 
 # --- arbitrary text --------------------------------------------------------------
@@ -250,7 +320,9 @@ FRAGMENTS = [
     "</parameter>", ">", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "get_weather",
     "write_file", "city", "Paris", "3", "true", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
     "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "<｜tool", "function", "```json",
-    "<|python_tag|>", ";", "é", "😀", "\ud800",
+    "<|python_tag|>", ";", "é", "😀", "\ud800", "```", "```python\n", "```tool_call\n", "[", "]",
+    '{"type": "function", "function": ', '{"name": "read_file", "arguments": {"path": "',
+    '"arguments": "{\\"path\\": \\"x\\"}"', "\n```\n", '"encoding": 1',
 ]
 # fmt: on
 TEXT = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=6)), max_size=40).map(

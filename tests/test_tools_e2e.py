@@ -14,7 +14,9 @@ import pytest
 openai = pytest.importorskip("openai")
 from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 
+import parsers  # noqa: E402
 from gateway.core.serving import build_served  # noqa: E402
+from parsers.events import ToolCallStart  # noqa: E402
 from tests.live_server import live_server  # noqa: E402
 
 pytestmark = pytest.mark.real_model
@@ -161,3 +163,74 @@ def test_openai_agents_tool_loop_completes(base_url: str) -> None:
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
     assert calls and "paris" in calls[0].lower()
     assert result.final_output == f"It is 18 degrees Celsius and sunny in {calls[0]}."
+
+
+READ_FILE = {
+    "type": "function",
+    "function": {
+        "name": "read_file",
+        "description": "Read a file from the workspace.",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": {"type": "string", "description": "Path of the file"}},
+            "required": ["path"],
+            "additionalProperties": False,
+        },
+    },
+}
+# With this system prompt the greedy 0.5B model answers with a sentence and then the
+# call in a ```json fence, as it did for the agent clients (issue 8, section 6).
+FENCED_ASK = [
+    {
+        "role": "system",
+        "content": "You are a coding assistant working in a repository. Think step by step "
+        "and use tools when needed.",
+    },
+    {"role": "user", "content": "Read the file hello.txt and tell me what it says."},
+]
+
+
+def test_call_written_in_a_fence_is_a_tool_call(base_url: str) -> None:
+    """tool_choice auto: the model's raw reply (the same prompt tokens through
+    /v1/completions) is prose plus a ```json fence, no tags; the chat endpoint turns it
+    into the sentence as content and a read_file call, streamed by the SDK's rules."""
+    tokenized = httpx.post(
+        f"{base_url}/tokenize",
+        json={"model": MODEL, "messages": FENCED_ASK, "tools": [READ_FILE]},
+        timeout=60,
+    )
+    assert tokenized.status_code == 200, tokenized.text
+    raw_body = httpx.post(
+        f"{base_url}/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": tokenized.json()["tokens"],
+            "temperature": 0,
+            "max_tokens": 120,
+        },
+        timeout=300,
+    )
+    assert raw_body.status_code == 200, raw_body.text
+    raw = raw_body.json()["choices"][0]["text"]
+    assert "```json" in raw and "<tool_call>" not in raw, raw
+    before_fence = raw[: raw.index("```")].strip()
+
+    body = {
+        "model": MODEL,
+        "messages": FENCED_ASK,
+        "tools": [READ_FILE],
+        "tool_choice": "auto",
+        "temperature": 0,
+        "max_tokens": 120,
+    }
+    chunks = _stream(base_url, body)
+    calls = [(c["name"], json.loads(c["arguments"])) for c in _rebuild(chunks).values()]
+    assert calls == [("read_file", {"path": "hello.txt"})]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == before_fence and "```" not in content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert [f for f in finishes if f] == ["tool_calls"]
+    # the parser reads the raw text the same way the server did
+    parser = parsers.create("qwen2.5", [READ_FILE])
+    events = parser.feed(raw) + parser.finish()
+    assert [e.name for e in events if isinstance(e, ToolCallStart)] == ["read_file"]
