@@ -156,7 +156,8 @@ def _print(results: dict[str, dict[str, Sent]], pairs: Sequence[str]) -> None:
                 if sent.shared_prefix and name == "on"
                 else "-"
             )
-            shared = sent.shared_prefix if sent.shared_prefix is not None else "-"
+            # with the cache off the server matches nothing: its record says 0
+            shared = sent.shared_prefix if sent.shared_prefix and name == "on" else "-"
             print(
                 f"| {pair} | {name} | {sent.prompt_tokens} | {sent.cached_tokens} | "
                 f"{shared} | {share} | {sent.ttft_s:.2f} |"
