@@ -11,7 +11,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gateway.core.serving import EngineSettings
-from gateway.core.settings import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, ServerSettings
+from gateway.core.settings import (
+    API_KEY_ENV,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_TOKENS,
+    ServerSettings,
+)
 
 DEFAULT_MODEL = "smollm2-135m"
 ENV_PREFIX = "MLX_GATEWAY_"
@@ -72,6 +77,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--model-id", default=None, help="name clients use (default: alias or file name)"
     )
+    s.add_argument(
+        "--model-alias",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="another model name to answer to (repeatable; e.g. the names Claude Code asks "
+        "for; default: $MLX_GATEWAY_MODEL_ALIAS, comma-separated)",
+    )
     _engine_args(s)
     _server_args(s)
 
@@ -86,6 +99,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--temperature", type=float, default=0.7)
     r.add_argument("--system", default=None, help="system message")
     _engine_args(r)
+
+    from gateway.cli.launch import add_launch_parser
+
+    add_launch_parser(sub)
     return p
 
 
@@ -169,6 +186,20 @@ def _server_args(p: argparse.ArgumentParser) -> None:
         default=_optional_int("MAX_TOKENS_CAP"),
         help="largest max_tokens a request may ask for (default: what the context leaves)",
     )
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=_optional_int("DEFAULT_MAX_TOKENS"),
+        help=f"output bound of a request that sets none (default {DEFAULT_MAX_TOKENS}; "
+        "0 = what the context leaves)",
+    )
+    p.add_argument(
+        "--strict-max-tokens",
+        action="store_true",
+        default=_env("STRICT_MAX_TOKENS", "").lower() in ("1", "true", "yes", "on"),
+        help="refuse a max_tokens beyond the context's room or --max-tokens-cap with a 400, "
+        "as OpenAI does (default: clamp it)",
+    )
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
@@ -180,9 +211,23 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
             max_body_bytes=args.max_body_bytes,
             max_prompt_tokens=args.max_prompt_tokens,
             max_tokens_cap=args.max_tokens_cap,
+            default_max_tokens=_default_max_tokens(args.default_max_tokens),
+            strict_max_tokens=args.strict_max_tokens,
         )
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
+
+
+def _default_max_tokens(value: int | None) -> int | None:
+    if value is None:
+        return DEFAULT_MAX_TOKENS
+    return None if value == 0 else value  # 0: no bound but the context
+
+
+def model_aliases(args: argparse.Namespace) -> frozenset[str]:
+    """--model-alias values (commas split them too), else $MLX_GATEWAY_MODEL_ALIAS."""
+    given = args.model_alias if args.model_alias is not None else [_env("MODEL_ALIAS", "")]
+    return frozenset(n.strip() for item in given for n in item.split(",") if n.strip())
 
 
 def _engine_settings(args: argparse.Namespace) -> EngineSettings:
@@ -229,12 +274,17 @@ def _serve(args: argparse.Namespace) -> int:
     path, model_id = _resolve(args.model)
     settings = _engine_settings(args)
     model_id = args.model_id or model_id
-    app = create_app(lambda: build_served(path, model_id=model_id, settings=settings), server)
+    aliases = model_aliases(args)
+    app = create_app(
+        lambda: build_served(path, model_id=model_id, aliases=aliases, settings=settings), server
+    )
     warning = bind_warning(args.host, server.api_key)
     if warning:
         print(warning, file=sys.stderr)
     url = client_url(args.host, args.port)
     print(f"mlx-gateway: serving {model_id} at {url}  (OPENAI_BASE_URL={url})", file=sys.stderr)
+    if aliases:
+        print(f"mlx-gateway: also answering to {', '.join(sorted(aliases))}", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0
 
@@ -261,6 +311,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.command == "launch":  # runs a client; this process loads no model
+        from gateway.cli.launch import run as run_launch
+
+        return run_launch(args)
     from runtime import backend
 
     backend.configure()  # before anything imports mlx
