@@ -71,6 +71,24 @@ class SamplingFields:
     top_logprobs: int = 0
 
 
+_SENT_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
+
+
+def sent_sampling(req: Any, **extra: Any) -> SamplingFields:
+    """The sampling fields a wire request carries under their usual names (absent = None)."""
+    sent: dict[str, Any] = {name: getattr(req, name, None) for name in _SENT_FIELDS}
+    return SamplingFields(**sent, **extra)
+
+
 def _pick(sent: float | int | None, default: float | int | None, fallback: float) -> float:
     if sent is not None:
         return float(sent)

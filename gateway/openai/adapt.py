@@ -16,10 +16,10 @@ from gateway.core.errors import InvalidRequest
 from gateway.core.plan import (
     CachePin,
     ChatPlan,
-    SamplingFields,
     ToolPlan,
     render_options,
     resolve_sampling,
+    sent_sampling,
     stops,
 )
 from gateway.core.plan import tool_plan as neutral_tool_plan
@@ -147,16 +147,9 @@ def sampling_params(
     top_logprobs: int = 0,
 ) -> SamplingParams:
     """`defaults`: the model's recommended sampling, for fields the request leaves out."""
-    sent = SamplingFields(
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
+    sent = sent_sampling(
+        req,
         logit_bias=MappingProxyType(_logit_bias(req.logit_bias, vocab_size)),
-        seed=req.seed,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
     )

@@ -19,10 +19,10 @@ from gateway.core.errors import InvalidRequest
 from gateway.core.plan import (
     CachePin,
     ChatPlan,
-    SamplingFields,
     ToolPlan,
     render_options,
     resolve_sampling,
+    sent_sampling,
 )
 from gateway.core.plan import tool_plan as neutral_tool_plan
 from gateway.openai import adapt as chat_adapt
@@ -512,16 +512,7 @@ def _options(req: ResponsesRequest) -> RenderOptions:
 
 
 def _sampling(req: ResponsesRequest, defaults: Mapping[str, float] | None) -> SamplingParams:
-    sent = SamplingFields(
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        seed=req.seed,
-    )
+    sent = sent_sampling(req)
     return resolve_sampling(sent, defaults)
 
 
