@@ -18,6 +18,19 @@ TIMEOUT = 300.0
 EVENT = TypeAdapter(RawMessageStreamEvent)
 
 
+MODEL = "tiny-qwen3"
+HELLO: Any = [{"role": "user", "content": "hi"}]
+WEATHER: Any = {
+    "name": "get_weather",
+    "description": "Get the current weather for a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "description": "City name, e.g. Paris"}},
+        "required": ["city"],
+    },
+}
+
+
 @dataclass
 class Events:
     """A stream's events in order: (event name, JSON payload)."""

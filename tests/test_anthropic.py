@@ -25,7 +25,10 @@ from gateway.anthropic.routes import prepare_messages
 from gateway.core.serving import EngineSettings, build_served
 from gateway.core.settings import ServerSettings
 from tests.anthropic_checks import (
+    HELLO,
+    MODEL,
     TIMEOUT,
+    WEATHER,
     check_blocks,
     check_error,
     check_message,
@@ -34,21 +37,10 @@ from tests.anthropic_checks import (
 )
 from tests.live_server import live_server
 
-MODEL = "tiny-qwen3"
 KEY = "test-key"
 AUTH = {"x-api-key": KEY}
-HELLO: Any = [{"role": "user", "content": "hi"}]
 # SDK 2.12 has no sampling parameters; clients that still send them are honoured
 GREEDY: Any = {"temperature": 0}
-WEATHER: Any = {
-    "name": "get_weather",
-    "description": "Get the current weather for a city.",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "description": "City name, e.g. Paris"}},
-        "required": ["city"],
-    },
-}
 ENV = "MLX_GATEWAY_CLIENT_FIXTURES"
 FIXTURES = [
     "claude_code_first_request",

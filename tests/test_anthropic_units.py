@@ -24,23 +24,15 @@ from runtime.stops import StopMatcher
 from runtime.types import Finished, FinishReason, GenerationStats
 from templates.types import ImagePart, TextPart
 from tests.anthropic_checks import (
+    HELLO,
+    MODEL,
+    WEATHER,
     Events,
     check_error,
     check_message,
     check_stream,
 )
 
-MODEL = "tiny-qwen3"
-HELLO = [{"role": "user", "content": "hi"}]
-WEATHER = {
-    "name": "get_weather",
-    "description": "Get the current weather for a city.",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "description": "City name, e.g. Paris"}},
-        "required": ["city"],
-    },
-}
 BILLING = "x-anthropic-billing-header: cc_version=2.0.14.abc; cc_entrypoint=cli; cch={};"
 
 
