@@ -17,6 +17,7 @@ import mlx.core as mx
 from runtime.detokenizer import DetokenizerTable, StreamingDetokenizer
 from runtime.generate import DEFAULT_PREFILL_CHUNK, Cancelled, SampledToken, generate_tokens
 from runtime.prefix_cache import PrefixCache
+from runtime.prefix_report import CacheReport
 from runtime.sampling import Sampler
 from runtime.stops import StopMatcher
 from runtime.types import (
@@ -66,6 +67,15 @@ class _Progress:
     stop_string: str | None = None  # the stop string that ended it, if one did
 
 
+@dataclass(frozen=True)
+class _CacheView:
+    at: float  # wall clock when it was taken
+    stats: dict[str, int]
+    pins: list[dict[str, object]]
+    recent: list[CacheReport]
+    trie: list[str]
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, settings: RunnerSettings | None = None) -> None:
         self.loaded = loaded
@@ -80,6 +90,7 @@ class ModelRunner:
         # held while a request runs, so a dump from another thread sees a settled trie
         self.lock = threading.Lock()
         self._stream: Any = None
+        self._settled = self._settle()  # the view a busy engine answers with
 
     def _token_text(self, token_id: int) -> str:
         return self._detok_table.token_text(token_id)
@@ -90,29 +101,43 @@ class ModelRunner:
         logprob = sampled.logprob if sampled.logprob is not None else 0.0
         return (TokenLogprob(sampled.token_id, text, logprob, top),)
 
-    def dump_prefix_cache(self) -> str:
-        with self.lock:
-            return self.prefix.dump()
-
     def _decode(self, ids: Sequence[int]) -> str:
         return self.loaded.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def prefix_cache_view(self) -> dict[str, Any]:
+    def _settle(self) -> _CacheView:
+        """Copy what the prefix-cache view shows; the caller holds the lock."""
+        p = self.prefix
+        return _CacheView(time.time(), p.stats(), p.pins(), p.recent(), p.dump().splitlines())
+
+    def prefix_cache_view(self, wait_s: float = 0.25) -> dict[str, Any]:
         """The trie, its counters, the live pins and the last requests' cache reports
-        (oldest first, token ids decoded), taken while no request runs."""
-        with self.lock:
-            return {
-                "stats": self.prefix.stats(),
-                "pins": self.prefix.pins(),
-                "recent": [r.describe(self._decode) for r in self.prefix.recent()],
-                "trie": self.prefix.dump().splitlines(),
-            }
+        (oldest first, token ids decoded). While a request runs (after `wait_s`), the
+        view taken when the previous request finished, marked `busy`."""
+        busy = not self.lock.acquire(timeout=wait_s)
+        if busy:
+            view = self._settled
+        else:
+            try:
+                view = self._settle()
+            finally:
+                self.lock.release()
+        return {
+            "busy": busy,
+            "as_of": view.at,
+            "stats": view.stats,
+            "pins": view.pins,
+            "recent": [r.describe(self._decode) for r in view.recent],
+            "trie": view.trie,
+        }
 
     def run(self, handle: RequestHandle) -> Finished:
         if self._stream is None:
             self._stream = mx.new_stream(mx.default_device())
         with self.lock, mx.stream(self._stream):
-            return self._run(handle)
+            try:
+                return self._run(handle)
+            finally:
+                self._settled = self._settle()
 
     def _run(self, handle: RequestHandle) -> Finished:
         req = handle.request

@@ -30,8 +30,15 @@ HELLO = [{"role": "user", "content": "Name three colors."}]
 
 @pytest.fixture(scope="module")
 def base_url(smollm2_gguf: Path) -> Iterator[str]:
-    with live_server(lambda: build_served(smollm2_gguf, model_id=MODEL)) as url:
+    def served() -> Any:
+        SERVED[:] = [build_served(smollm2_gguf, model_id=MODEL)]
+        return SERVED[0]
+
+    with live_server(served) as url:
         yield url
+
+
+SERVED: list[Any] = []  # the model behind base_url, for tests that look inside
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +224,19 @@ def test_prefix_cache_reuses_a_conversation(base_url: str) -> None:
     assert b.usage is not None and b.usage.prompt_tokens_details is not None and a.usage is not None
     assert (b.usage.prompt_tokens_details.cached_tokens or 0) >= a.usage.prompt_tokens - 8
     dump = httpx.get(f"{base_url}/debug/prefix-cache").json()
-    assert dump["stats"]["hits"] >= 2 and dump["trie"]
+    assert dump["stats"]["hits"] >= 2 and dump["trie"] and not dump["busy"]
+
+
+def test_prefix_cache_view_answers_while_a_request_runs(base_url: str) -> None:
+    _post(base_url, {"model": MODEL, "messages": HELLO, "max_tokens": 4, "temperature": 0})
+    settled = httpx.get(f"{base_url}/debug/prefix-cache").json()
+    runner = SERVED[0].runner
+    with runner.lock:  # as the engine holds it while a request runs
+        busy = httpx.get(f"{base_url}/debug/prefix-cache", timeout=10).json()
+    assert busy["busy"] and busy["as_of"] <= settled["as_of"]
+    # the view taken when the last request finished
+    assert busy["stats"] == settled["stats"] and busy["trie"] == settled["trie"]
+    assert busy["recent"] == settled["recent"]
 
 
 FUZZ_VALUES: list[Any] = [

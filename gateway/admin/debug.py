@@ -16,6 +16,6 @@ async def prefix_cache(request: Request) -> JSONResponse:
     runner = served.runner
     if runner is None:
         raise NotFound("this server has no prefix cache")
-    # the view waits for the running request to finish: keep it off the event loop
+    # the view waits briefly for a running request: keep it off the event loop
     view = await run_in_threadpool(runner.prefix_cache_view)
     return JSONResponse(view)
