@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from runtime.types import SamplingParams
+from runtime.types import ReasoningBudget, SamplingParams
 
 _NEG_INF = float("-inf")
 
@@ -173,6 +173,11 @@ class Sampler:
         # A private key chain: reproducible with a seed, and never the process-global RNG.
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         self._key = mx.random.key(seed % (1 << 64))
+        self._budget = params.reasoning_budget
+        if self._budget is not None:
+            # on device, so the pipelined decode never waits for a token to be read
+            self._inside = mx.array(self._budget.inside)
+            self._spent = mx.array(0, dtype=mx.int32)
 
     def sample(self, logits: mx.array) -> SampleResult:
         raw = logits.reshape(1, -1).astype(mx.float32)
@@ -181,6 +186,8 @@ class Sampler:
             token = mx.argmax(adjusted, axis=-1).astype(mx.int32)
         else:
             token = self._draw(adjusted)
+        if self._budget is not None:
+            token = self._spend(token, self._budget)
         self._record(token)
         logprobs = log_softmax(raw)
         chosen = mx.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
@@ -220,6 +227,17 @@ class Sampler:
             return mx.take_along_axis(candidates, pick[:, None], axis=-1)[:, 0].astype(mx.int32)
         logits = apply_min_p(apply_top_p(logits, p.top_p), p.min_p)
         return mx.random.categorical(logits, axis=-1, key=keys[1]).astype(mx.int32)
+
+    def _spend(self, token: mx.array, budget: ReasoningBudget) -> mx.array:
+        """Count reasoning tokens; once the budget is spent, the block's close comes next."""
+        spent = mx.logical_and(self._inside, self._spent >= budget.tokens)
+        token = mx.where(spent, mx.array(budget.close_id, dtype=mx.int32), token)
+        self._spent = self._spent + self._inside.astype(mx.int32)
+        inside = mx.logical_and(self._inside, token[0] != budget.close_id)
+        if budget.open_id is not None:
+            inside = mx.logical_or(inside, token[0] == budget.open_id)
+        self._inside = inside
+        return token
 
     def _record(self, token: mx.array) -> None:
         # Lazy scatter: evaluated along with the next step's logits, so no sync here.

@@ -17,6 +17,18 @@ def _empty_bias() -> Mapping[int, float]:
 
 
 @dataclass(frozen=True)
+class ReasoningBudget:
+    """Close the reasoning block after `tokens` reasoning tokens: the sampler then emits
+    `close_id` in place of whatever it drew. `inside` says the prompt leaves the model in
+    the block; otherwise the block starts when the model emits `open_id`."""
+
+    tokens: int
+    close_id: int
+    open_id: int | None = None
+    inside: bool = False
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token. temperature 0 means greedy."""
 
@@ -31,6 +43,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    reasoning_budget: ReasoningBudget | None = None
 
     @property
     def greedy(self) -> bool:

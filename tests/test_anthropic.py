@@ -208,7 +208,7 @@ def thinking_url(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 def test_thinking_blocks_streamed_and_not(thinking_url: str) -> None:
     client = anthropic.Anthropic(base_url=thinking_url, api_key="x", max_retries=0)
-    think: Any = {"type": "enabled", "budget_tokens": 1024}
+    think: Any = {"type": "enabled", "budget_tokens": 7}
     msg = client.messages.create(model=MODEL, max_tokens=8, messages=HELLO, thinking=think)
     check_message(msg.model_dump())
     assert [b.type for b in msg.content] == ["thinking"]
@@ -236,6 +236,23 @@ def test_thinking_blocks_streamed_and_not(thinking_url: str) -> None:
         model=MODEL, max_tokens=4, messages=history, thinking={"type": "disabled"}
     )
     assert off.content and all(b.type == "text" for b in off.content)
+
+
+def test_thinking_budget_closes_the_reasoning_block(thinking_url: str) -> None:
+    # the tiny model reasons for all of max_tokens unless the block is closed for it (the
+    # sampler tests count the budget's tokens exactly)
+    client = anthropic.Anthropic(base_url=thinking_url, api_key="x", max_retries=0)
+    think: Any = {"type": "enabled", "budget_tokens": 3}
+    for _ in range(3):
+        msg = client.messages.create(model=MODEL, max_tokens=24, messages=HELLO, thinking=think)
+        check_message(msg.model_dump())
+        assert [b.type for b in msg.content] == ["thinking", "text"]
+        assert msg.usage.output_tokens == 24
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+        client.messages.create(
+            model=MODEL, max_tokens=24, messages=HELLO,
+            thinking={"type": "enabled", "budget_tokens": 0},
+        )
 
 
 # -- errors --------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from runtime.sampling import (
     apply_top_k,
     apply_top_p,
 )
-from runtime.types import SamplingParams
+from runtime.types import ReasoningBudget, SamplingParams
 
 V = 64
 
@@ -312,3 +312,46 @@ def test_invalid_params_rejected() -> None:
             Sampler(bad, V, [])
     with pytest.raises(ValueError):
         Sampler(SamplingParams(repetition_penalty=1.2), V, [V + 3])
+
+
+def _steered(script: list[int], vocab: int = V) -> list[mx.array]:
+    """Logits whose argmax is each scripted token in turn."""
+    rows = []
+    for t in script:
+        row = np.zeros(vocab, np.float32)
+        row[t] = 5.0
+        rows.append(mx.array(row))
+    return rows
+
+
+OPEN, CLOSE = 3, 4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_reasoning_budget_closes_the_block_after_its_tokens(temperature: float) -> None:
+    budget = ReasoningBudget(tokens=3, close_id=CLOSE, open_id=OPEN)
+    params = SamplingParams(temperature=temperature, top_k=1, reasoning_budget=budget)
+    sampler = Sampler(params, V, [])
+    # the model opens the block, would reason forever, then answers
+    script = [7, OPEN, 9, 9, 9, 9, 9, 11, 12]
+    out = [_tok(sampler.sample(row)) for row in _steered(script)]
+    # three reasoning tokens, then the close in place of the fourth; after it, the model
+    assert out == [7, OPEN, 9, 9, 9, CLOSE, 9, 11, 12]
+
+
+def test_reasoning_budget_starts_inside_and_leaves_a_short_block_alone() -> None:
+    inside = ReasoningBudget(tokens=2, close_id=CLOSE, open_id=OPEN, inside=True)
+    sampler = Sampler(SamplingParams(temperature=0, reasoning_budget=inside), V, [])
+    out = [_tok(sampler.sample(row)) for row in _steered([9, 9, 9, 5])]
+    assert out == [9, 9, CLOSE, 5]
+    # a block the model closes itself within the budget is not touched, nor a later one
+    roomy = ReasoningBudget(tokens=4, close_id=CLOSE, open_id=OPEN, inside=True)
+    sampler = Sampler(SamplingParams(temperature=0, reasoning_budget=roomy), V, [])
+    script = [9, CLOSE, 5, 5, 5, 5, 5, 5]
+    assert [_tok(sampler.sample(row)) for row in _steered(script)] == script
+    # the forced token's logprob is the model's own for that token
+    sampler = Sampler(SamplingParams(temperature=0, reasoning_budget=inside), V, [])
+    rows = _steered([9, 9, 9])
+    results = [sampler.sample(row) for row in rows]
+    expected = _np_log_softmax(np.array(rows[2]))[CLOSE]
+    assert _tok(results[2]) == CLOSE and math.isclose(_lp(results[2]), float(expected), rel_tol=1e-5)

@@ -483,4 +483,18 @@ def chat_plan(
         max_tokens=max(req.max_tokens, 1),
         stop=stops(req.stop_sequences, param="stop_sequences"),
         stream=req.stream,
+        reasoning_budget=reasoning_budget(req),
     )
+
+
+def reasoning_budget(req: wire.MessagesRequest) -> int | None:
+    """thinking.budget_tokens of an enabled thinking block. It may exceed max_tokens (as
+    with interleaved thinking); max_tokens still bounds the whole reply."""
+    thinking = req.thinking
+    if thinking is None or thinking.type != "enabled" or thinking.budget_tokens is None:
+        return None
+    if thinking.budget_tokens < 1:
+        raise InvalidRequest(
+            "thinking.budget_tokens must be at least 1", param="thinking.budget_tokens"
+        )
+    return thinking.budget_tokens

@@ -97,7 +97,9 @@ async def messages(request: Request) -> Response:
     check_prompt_fits(served, len(prep.tokens))
     max_tokens = budget(served, settings, len(prep.tokens), plan.max_tokens)
     parser = new_parser(prep, plan)
-    wanted = requests_for(prep.tokens, max_tokens, plan.sampling, plan.stop, 1, pin=plan.pin)
+    wanted = requests_for(
+        prep.tokens, max_tokens, plan.sampling, plan.stop, 1, pin=plan.pin, reasoning=prep.reasoning
+    )
     gens = submit(served, wanted, settings, request.app.state.metrics)
     out = MessageOutput(
         model=req.model,

@@ -78,7 +78,7 @@ class ToolChoice(_Wire):
 
 class Thinking(_Wire):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None  # accepted; reasoning is bounded by max_tokens
+    budget_tokens: int | None = None  # the reasoning block is closed after this many tokens
     display: str | None = None
 
 

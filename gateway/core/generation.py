@@ -33,6 +33,7 @@ from runtime.types import (
     GenerationEvent,
     GenerationRequest,
     PrefixPin,
+    ReasoningBudget,
     SamplingParams,
     TextDelta,
 )
@@ -60,9 +61,13 @@ def requests_for(
     count: int,
     *,
     pin: CachePin | None = None,
+    reasoning: ReasoningBudget | None = None,
 ) -> list[GenerationRequest]:
-    """`pin` (a plan's CachePin) keeps the prompt's cached prefix ahead in eviction."""
+    """`pin` (a plan's CachePin) keeps the prompt's cached prefix ahead in eviction;
+    `reasoning` closes the reasoning block after its budget of tokens."""
     held = None if pin is None else PrefixPin(ttl=pin.ttl, key=pin.key)
+    if reasoning is not None:
+        sampling = dataclasses.replace(sampling, reasoning_budget=reasoning)
     return [
         GenerationRequest(
             tuple(prompt),

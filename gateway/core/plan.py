@@ -52,6 +52,7 @@ class ChatPlan:
     max_tokens_field: str = "max_tokens"  # the field the client used, for error messages
     messages_field: str = "messages"  # where the prompt came from, for error messages
     pin: CachePin | None = None
+    reasoning_budget: int | None = None  # reasoning tokens before the block is closed
 
 
 @dataclass(frozen=True)

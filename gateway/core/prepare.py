@@ -3,6 +3,7 @@ the same whatever the dialect (render, check capabilities, force a tool call, en
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import parsers
@@ -11,7 +12,10 @@ from gateway.core.errors import InvalidRequest, Unprocessable
 from gateway.core.plan import ChatPlan, has_images
 from gateway.core.served import ServedModel
 from parsers.events import Event
+from runtime.types import ReasoningBudget
 from templates import TemplateError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,7 @@ class Prepared:
     parser_name: str
     think: parsers.ThinkMode
     prefix: str  # text the prompt ends with that belongs to the reply (forced tool call)
+    reasoning: ReasoningBudget | None = None  # closes the reasoning block after N tokens
 
 
 def check_chat(served: ServedModel, *, param: str = "messages") -> None:
@@ -72,7 +77,25 @@ def prepare(served: ServedModel, plan: ChatPlan) -> Prepared:
         # a prompt that leaves the model inside <think> is closed first: the call comes now
         prefix = ("</think>\n\n" if think == "open" else "") + opener
     tokens = served.loaded.tokenizer.encode_prompt(text + prefix)
-    return Prepared(tokens, caps.parser, think, prefix)
+    # a forced call closes an open block itself: the budget then has nothing to bound
+    inside = think == "open" and not prefix
+    return Prepared(tokens, caps.parser, think, prefix, _budget(served, plan, think, inside))
+
+
+def _budget(
+    served: ServedModel, plan: ChatPlan, think: parsers.ThinkMode, inside: bool
+) -> ReasoningBudget | None:
+    if plan.reasoning_budget is None or not think:
+        return None
+    tok = served.loaded.tokenizer
+    close, open_ = tok.token_to_id("</think>"), tok.token_to_id("<think>")
+    if close is None:
+        log.info(
+            "a reasoning budget of %d tokens is not applied: </think> is not one token in "
+            "this model's vocabulary", plan.reasoning_budget
+        )
+        return None
+    return ReasoningBudget(plan.reasoning_budget, close, open_, inside)
 
 
 class _Primed:
