@@ -329,11 +329,22 @@ def _scales_dtype(weights: Mapping[str, mx.array]) -> str | None:
 
 
 def _cast_floats(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
-    """Float weights to ``dtype``; quantized scales/biases too (they must match inputs)."""
+    """Float weights to ``dtype``; quantized scales/biases too (they must match inputs).
+    MoE routers' score-correction biases stay float32, as transformers keeps them: in
+    bfloat16 they can swap which expert wins a near-tie."""
     return {
-        k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype else v)
+        k: (
+            v.astype(dtype)
+            if mx.issubdtype(v.dtype, mx.floating)
+            and v.dtype != dtype
+            and not k.endswith(_FLOAT32_KEYS)
+            else v
+        )
         for k, v in weights.items()
     }
+
+
+_FLOAT32_KEYS = ("e_score_correction_bias",)
 
 
 def _load_folder(folder: Path, dtype: str | None, keep_quantized: bool) -> LoadedModel:

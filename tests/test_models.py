@@ -157,7 +157,7 @@ def test_make_caches_follow_layer_types(tiny: _Tiny) -> None:
 
 
 def test_build_model_registry() -> None:
-    assert supported_model_types() == ["gemma3", "gemma3_text", "llama", "qwen2", "qwen3"]
+    assert {"gemma3", "gemma3_text", "llama", "qwen2", "qwen3"} <= set(supported_model_types())
     with pytest.raises(ValueError, match="unsupported model_type"):
         build_model({"model_type": "gpt2"})
 

@@ -17,6 +17,8 @@ _ARCHITECTURES: Mapping[str, str] = MappingProxyType(
         "qwen3": "qwen3",
         "gemma3_text": "gemma3",
         "gemma3": "gemma3",
+        "qwen3_moe": "qwen3_moe",
+        "glm4_moe": "glm4_moe",
     }
 )
 

@@ -1,0 +1,182 @@
+"""GLM-4.5 / 4.6 / 4.7 (glm4_moe): llama-style layers with partial rotary, optional
+per-head q/k norms, q/k/v bias (never on o), the first ``first_k_dense_replace`` layers
+dense, the rest sparse MoE with sigmoid grouped routing (``e_score_correction_bias``,
+``n_group``/``topk_group``, ``routed_scaling_factor``) plus always-on shared experts.
+
+The checkpoints carry ``num_nextn_predict_layers`` multi-token-prediction layers after
+the last decoder layer (``model.layers.<num_hidden_layers>...``); they are only for
+speculative decoding and are dropped on load.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx.nn.layers.base import Module
+from mlx.nn.layers.embedding import Embedding
+
+from runtime.cache import Cache
+from runtime.models.base import (
+    FULL_ATTENTION,
+    MLP,
+    Attention,
+    CausalLM,
+    RMSNorm,
+    config_float,
+    config_int,
+)
+from runtime.models.moe import SIGMOID, Routing, SparseMoE, stack_experts
+from runtime.models.rope import RoPE, RopeSpec, parse_rope
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _partial_rotary_factor(config: Mapping[str, Any]) -> float:
+    """transformers 5 keeps it in rope_parameters, older configs at the top level."""
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping) and params.get("partial_rotary_factor") is not None:
+        return float(params["partial_rotary_factor"])
+    return config_float(config, "partial_rotary_factor", 0.5)
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    hidden_act: str
+    attention_bias: bool
+    use_qk_norm: bool
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    first_k_dense_replace: int
+    routing: Routing
+    rope: RopeSpec
+    layer_types: tuple[str, ...]
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ModelArgs:
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        layers = int(config["num_hidden_layers"])
+        head_dim = config_int(config, "head_dim", hidden // heads)
+        top_k = int(config["num_experts_per_tok"])
+        return cls(
+            model_type=str(config.get("model_type", "glm4_moe")),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            moe_intermediate_size=int(config["moe_intermediate_size"]),
+            num_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=config_int(config, "num_key_value_heads", heads),
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * _partial_rotary_factor(config)),
+            vocab_size=int(config["vocab_size"]),
+            max_position_embeddings=config_int(config, "max_position_embeddings", 131072),
+            rms_norm_eps=config_float(config, "rms_norm_eps", 1e-5),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            hidden_act=str(config.get("hidden_act", "silu")),
+            attention_bias=bool(config.get("attention_bias", False)),
+            use_qk_norm=bool(config.get("use_qk_norm", False)),
+            n_routed_experts=int(config.get("n_routed_experts") or config["num_local_experts"]),
+            n_shared_experts=config_int(config, "n_shared_experts", 1),
+            num_experts_per_tok=top_k,
+            first_k_dense_replace=config_int(config, "first_k_dense_replace", 1),
+            routing=Routing(
+                top_k=top_k,
+                scoring=SIGMOID,
+                normalize=bool(config.get("norm_topk_prob", True)),
+                n_group=config_int(config, "n_group", 1),
+                topk_group=config_int(config, "topk_group", 1),
+                scaling=config_float(config, "routed_scaling_factor", 1.0),
+            ),
+            rope=parse_rope(config),
+            layer_types=(FULL_ATTENTION,) * layers,
+        )
+
+
+class DecoderLayer(Module):
+    def __init__(self, args: ModelArgs, rope: RoPE, index: int) -> None:
+        super().__init__()
+        dims = args.hidden_size
+        self.self_attn = Attention(
+            dims,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            rope,
+            qkv_bias=args.attention_bias,
+            o_bias=False,
+            qk_norm="rms" if args.use_qk_norm else None,
+            norm_eps=args.rms_norm_eps,
+        )
+        self.mlp: MLP | SparseMoE
+        if index >= args.first_k_dense_replace:
+            self.mlp = SparseMoE(
+                dims,
+                args.moe_intermediate_size,
+                args.n_routed_experts,
+                args.routing,
+                act=args.hidden_act,
+                shared_hidden=args.moe_intermediate_size * args.n_shared_experts,
+            )
+        else:
+            self.mlp = MLP(dims, args.intermediate_size, args.hidden_act)
+        self.input_layernorm = RMSNorm(dims, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(dims, args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: Cache) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Glm4MoeBody(Module):
+    """The `model.` part of the checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        # mx.fast.rope rotates the first rotary_dim features of each head, rest unchanged
+        rope = RoPE(args.rope, args.rotary_dim)
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, rope, i) for i in range(args.num_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, tokens: mx.array, caches: Sequence[Cache]) -> mx.array:
+        h = self.embed_tokens(tokens)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            h = layer(h, cache)
+        return self.norm(h)
+
+
+class Model(CausalLM):
+    args: ModelArgs
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__(args, Glm4MoeBody(args))
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Drop the MTP layers, stack per-expert (or fused) weights into `switch_mlp`."""
+        kept: dict[str, mx.array] = {}
+        for name, value in weights.items():
+            layer = _LAYER_INDEX.match(name)
+            if layer is not None and int(layer.group(1)) >= self.args.num_layers:
+                continue
+            if "rotary_emb.inv_freq" not in name:
+                kept[name] = value
+        return self._drop_tied_head(stack_experts(kept, self.args.n_routed_experts))
