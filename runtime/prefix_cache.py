@@ -107,9 +107,17 @@ class PrefixCache(Generic[C]):
 
     # -- the request lifecycle --
 
-    def begin(self, tokens: Sequence[Key], *, pin: PrefixPin | None = None) -> Lease[C]:
+    def begin(
+        self,
+        tokens: Sequence[Key],
+        *,
+        pin: PrefixPin | None = None,
+        boundaries: Sequence[int] = (),
+    ) -> Lease[C]:
         """Position the live caches on the longest usable cached prefix of `tokens`;
-        a `pin` keeps this prompt ahead of unpinned state in eviction for its TTL."""
+        a `pin` keeps this prompt ahead of unpinned state in eviction for its TTL.
+        `boundaries` (where the prompt's messages start) become restore points for
+        caches that cannot rewind: where a later request editing a message diverges."""
         if not tokens:
             raise ValueError("cannot begin an empty prompt")
         if self._lease is not None:
@@ -129,7 +137,7 @@ class PrefixCache(Generic[C]):
             self._tick += 1
             if pin is not None:
                 self._pins.add(keys, pin)
-            lease = self._begin_cached(keys, tag)
+            lease = self._begin_cached(keys, tag, boundaries)
             self._counts["hits"] += lease.reused > 0
             self._counts["reused_tokens"] += lease.reused
         assert lease.report is not None
@@ -137,7 +145,9 @@ class PrefixCache(Generic[C]):
         self._lease = lease
         return lease
 
-    def _begin_cached(self, keys: tuple[Key, ...], tag: str | None) -> Lease[C]:
+    def _begin_cached(
+        self, keys: tuple[Key, ...], tag: str | None, boundaries: Sequence[int]
+    ) -> Lease[C]:
         path, matched = self._trie.match(keys[:-1])  # always leave one token to run
         cached = continuation(path, matched)
         evicted = [(n.end, n.evicted) for n in path[1:]]
@@ -149,7 +159,7 @@ class PrefixCache(Generic[C]):
             self._counts["restore_failures"] += 1
             self._clear_live()
             reused, branch, failed = 0, 0, True
-        points = self._snapshot_points(len(keys), reused, branch)
+        points = self._snapshot_points(len(keys), reused, branch, boundaries)
         why = report(
             serial=self._serial,
             keys=keys,
@@ -356,11 +366,13 @@ class PrefixCache(Generic[C]):
             if snap is not None:
                 self._trie.set_snapshot(node, i, snap)
 
-    def _snapshot_points(self, length: int, reused: int, branch: int) -> tuple[int, ...]:
+    def _snapshot_points(
+        self, length: int, reused: int, branch: int, boundaries: Sequence[int] = ()
+    ) -> tuple[int, ...]:
         if all(c.rewindable for c in self._caches):
             return ()  # live state rewinds anywhere; paging out covers the rest
         step = self.snapshot_interval
-        points = {branch, length - self.tail_keep}
+        points = {branch, length - self.tail_keep, *boundaries[-MAX_BOUNDARIES:]}
         points.update(range((reused // step + 1) * step, length, step))
         return tuple(sorted(p for p in points if reused < p < length))
 
@@ -524,6 +536,10 @@ class PrefixCache(Generic[C]):
         if self._trie.paged_bytes > self.budget_bytes:
             raise AssertionError(f"{self._trie.paged_bytes} bytes held, budget {self.budget_bytes}")
 
+
+# restore points at message starts, the latest first: an agent edits the end of its
+# conversation (the last user turn's reminders), rarely its first messages
+MAX_BOUNDARIES = 16
 
 _COUNTS = (
     "requests",

@@ -150,7 +150,7 @@ class ModelRunner:
             )
         mx.reset_peak_memory()
         start = time.perf_counter()
-        lease = self.prefix.begin(prompt, pin=req.pin)
+        lease = self.prefix.begin(prompt, pin=req.pin, boundaries=req.boundaries)
         if lease.report is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("request %d: %s", lease.serial, lease.report.log_line(self._decode))
         progress = _Progress(prompt, lease.reused)

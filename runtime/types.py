@@ -79,6 +79,8 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
     prefill_chunk: int | None = None  # None = the engine's default
     pin: PrefixPin | None = None  # keep the prompt's cached prefix ahead in eviction
+    # where the prompt's messages start: restore points for layers that cannot rewind
+    boundaries: tuple[int, ...] = ()
 
 
 class FinishReason(str, Enum):

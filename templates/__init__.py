@@ -16,6 +16,7 @@ from templates.registry import (
     builtin_renderer,
     renderer_for,
 )
+from templates.turns import TURN_OPENERS
 from templates.types import (
     ContentPart,
     ImagePart,
@@ -29,6 +30,7 @@ from templates.types import (
 )
 
 __all__ = [
+    "TURN_OPENERS",
     "ContentPart",
     "DeepSeekV3Renderer",
     "DeepSeekV31Renderer",

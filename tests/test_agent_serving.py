@@ -27,6 +27,7 @@ from gateway.cli.main import _parser, model_aliases, server_settings  # noqa: E4
 from gateway.core.errors import InvalidRequest  # noqa: E402
 from gateway.core.generation import budget, requests_for  # noqa: E402
 from gateway.core.plan import CachePin  # noqa: E402
+from gateway.core.prepare import prepare  # noqa: E402
 from gateway.core.served import ServedModel  # noqa: E402
 from gateway.core.serving import build_served, sampling_defaults  # noqa: E402
 from gateway.core.settings import DEFAULT_MAX_TOKENS, ServerSettings  # noqa: E402
@@ -208,6 +209,24 @@ def test_requests_carry_the_pin() -> None:
     )
     plan = adapters.chat_plan(req, vocab_size=100, tools_supported=False)
     assert plan.pin == CachePin(ttl=300, key="session-7")
+
+
+def test_requests_carry_the_message_starts(served: ServedModel) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ]
+    req = wire.ChatCompletionRequest.model_validate({"model": MODEL, "messages": messages})
+    plan = adapters.chat_plan(req, vocab_size=100, tools_supported=False)
+    prep = prepare(served, plan)
+    opener = served.loaded.tokenizer.token_to_id("<|im_start|>")
+    # every message and the generation prompt open with <|im_start|>; the first is at 0
+    assert prep.boundaries == tuple(i for i, t in enumerate(prep.tokens) if t == opener)[1:]
+    assert len(prep.boundaries) == len(messages)
+    reqs = requests_for(prep.tokens, 4, SamplingParams(), (), 1, boundaries=prep.boundaries)
+    assert reqs[0].boundaries == prep.boundaries
 
 
 # -- over the wire ---------------------------------------------------------------------

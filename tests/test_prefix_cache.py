@@ -126,13 +126,14 @@ def run_request(
     cancel_at: float | None = None,
     pipelined: bool = False,
     pin: PrefixPin | None = None,
+    boundaries: Sequence[int] = (),
 ) -> Outcome:
     """One request through the cache; checks its logits and tokens against the oracle.
 
     `cancel_at` cancels during prefill, after that fraction of the tokens to run.
     `pipelined` feeds the last sampled token too, as pipelined decode leaves it.
     """
-    lease = pc.begin(prompt, pin=pin)
+    lease = pc.begin(prompt, pin=pin, boundaries=boundaries)
     pc.verify()
     assert 0 <= lease.reused < len(prompt)
     why = lease.report
@@ -549,3 +550,17 @@ def test_cache_on_equals_cache_off(
         clock=clock,
     )
     _play(pc, model, oracles[kind], ops, now)
+
+
+def test_message_starts_are_restore_points_for_recurrent_layers() -> None:
+    """An agent edits its conversation's last message (a reminder in the latest user turn):
+    a hybrid model resumes from that message's start, not from the last interval point."""
+    model = HybridModel(KINDS["recurrent"], window=6, seed=11)
+    first = list(range(1, 31))
+    starts = (10, 20, 24)
+    edited = [*first[:24], 90, 91, 92, 93]
+    for marks, reused in (((), 0), (starts, 24)):
+        pc, oracle = _cache(model, interval=1000), Oracle(model)
+        run_request(pc, model, oracle, first, 2, boundaries=marks)
+        out = run_request(pc, model, oracle, edited, 2, boundaries=marks)
+        assert out.reused == reused  # and run_request checked the logits against the oracle

@@ -98,8 +98,9 @@ async def messages(request: Request) -> Response:
     max_tokens = budget(served, settings, len(prep.tokens), plan.max_tokens)
     parser = new_parser(prep, plan)
     wanted = requests_for(
-        prep.tokens, max_tokens, plan.sampling, plan.stop, 1, pin=plan.pin, reasoning=prep.reasoning
-    )
+        prep.tokens, max_tokens, plan.sampling, plan.stop, 1,
+        pin=plan.pin, reasoning=prep.reasoning, boundaries=prep.boundaries,
+    )  # fmt: skip
     gens = submit(served, wanted, settings, request.app.state.metrics)
     out = MessageOutput(
         model=req.model,

@@ -62,9 +62,11 @@ def requests_for(
     *,
     pin: CachePin | None = None,
     reasoning: ReasoningBudget | None = None,
+    boundaries: tuple[int, ...] = (),
 ) -> list[GenerationRequest]:
     """`pin` (a plan's CachePin) keeps the prompt's cached prefix ahead in eviction;
-    `reasoning` closes the reasoning block after its budget of tokens."""
+    `reasoning` closes the reasoning block after its budget of tokens; `boundaries`
+    (where messages start) are restore points for hybrid models' prefix cache."""
     held = None if pin is None else PrefixPin(ttl=pin.ttl, key=pin.key)
     if reasoning is not None:
         sampling = dataclasses.replace(sampling, reasoning_budget=reasoning)
@@ -75,6 +77,7 @@ def requests_for(
             dataclasses.replace(sampling, seed=choice_seed(sampling.seed, i)),
             stop,
             pin=held,
+            boundaries=boundaries,
         )
         for i in range(count)
     ]

@@ -13,7 +13,7 @@ from gateway.core.plan import ChatPlan, has_images
 from gateway.core.served import ServedModel
 from parsers.events import Event
 from runtime.types import ReasoningBudget
-from templates import TemplateError
+from templates import TURN_OPENERS, TemplateError
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ class Prepared:
     think: parsers.ThinkMode
     prefix: str  # text the prompt ends with that belongs to the reply (forced tool call)
     reasoning: ReasoningBudget | None = None  # closes the reasoning block after N tokens
+    boundaries: tuple[int, ...] = ()  # where each message starts, in tokens
 
 
 def check_chat(served: ServedModel, *, param: str = "messages") -> None:
@@ -79,7 +80,17 @@ def prepare(served: ServedModel, plan: ChatPlan) -> Prepared:
     tokens = served.loaded.tokenizer.encode_prompt(text + prefix)
     # a forced call closes an open block itself: the budget then has nothing to bound
     inside = think == "open" and not prefix
-    return Prepared(tokens, caps.parser, think, prefix, _budget(served, plan, think, inside))
+    return Prepared(
+        tokens, caps.parser, think, prefix, _budget(served, plan, think, inside),
+        message_starts(served, tokens),
+    )
+
+
+def message_starts(served: ServedModel, tokens: list[int]) -> tuple[int, ...]:
+    """Offsets of the tokens that open a message (restore points for hybrid models)."""
+    tok = served.loaded.tokenizer
+    ids = {tok.token_to_id(s) for s in TURN_OPENERS} - {None}
+    return tuple(i for i, t in enumerate(tokens) if i and t in ids)
 
 
 def _budget(

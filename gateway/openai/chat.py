@@ -51,7 +51,10 @@ async def chat_completions(request: Request) -> Response:
     )
     # one parser per choice, made before anything is queued, so a bad one is a plain error
     readers = [new_parser(prep, plan) for _ in range(plan.n)]
-    wanted = requests_for(prep.tokens, max_tokens, plan.sampling, plan.stop, plan.n, pin=plan.pin)
+    wanted = requests_for(
+        prep.tokens, max_tokens, plan.sampling, plan.stop, plan.n,
+        pin=plan.pin, boundaries=prep.boundaries,
+    )  # fmt: skip
     gens = submit(served, wanted, settings, request.app.state.metrics)
     fmt = ChatStream(model=served.id)
     if plan.stream:

@@ -72,7 +72,10 @@ async def create_response(request: Request) -> Response:
         param="max_output_tokens", prompt_param="input",
     )  # fmt: skip
     parser = new_parser(prep, plan)
-    wanted = requests_for(prep.tokens, max_tokens, plan.sampling, plan.stop, 1, pin=plan.pin)
+    wanted = requests_for(
+        prep.tokens, max_tokens, plan.sampling, plan.stop, 1,
+        pin=plan.pin, boundaries=prep.boundaries,
+    )  # fmt: skip
     gens = submit(served, wanted, settings, request.app.state.metrics)
     builder = ResponseBuilder(
         envelope(req, served.id, plan),
