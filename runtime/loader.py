@@ -283,6 +283,13 @@ def _module_quant(quant: Mapping[str, Any], module: str) -> dict[str, Any]:
         "mode": str(quant.get("mode", "affine")),
     }
     override = quant.get(module)
+    if not isinstance(override, Mapping):
+        # converted multimodal checkpoints key overrides by their own module paths
+        # (``language_model.model.layers...``), which sanitize shortens
+        suffix = f".{module}"
+        override = next(
+            (v for k, v in quant.items() if isinstance(v, Mapping) and k.endswith(suffix)), None
+        )
     if isinstance(override, Mapping):
         base.update({k: override[k] for k in ("group_size", "bits", "mode") if k in override})
     return base
