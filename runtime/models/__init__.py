@@ -24,6 +24,7 @@ _ARCHITECTURES: Mapping[str, str] = MappingProxyType(
         "qwen3_5_text": "qwen3_5",
         "qwen3_5_moe": "qwen3_5",
         "qwen3_5_moe_text": "qwen3_5",
+        "deepseek_v3": "deepseek_v3",
     }
 )
 

@@ -13,6 +13,7 @@ from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.linear import Linear
 
 from runtime.cache import Cache, KVCache, Mask, RotatingKVCache, window_mask
+from runtime.models import cpu_kernels
 from runtime.models.rope import RoPE
 
 FULL_ATTENTION = "full_attention"
@@ -84,6 +85,16 @@ _ACTIVATIONS: Mapping[str, Callable[[mx.array], mx.array]] = {
 }
 
 
+# activation name -> the CPU kernels' name for the same function (cpu_kernels.gated_mul)
+_KERNEL_ACTIVATIONS: Mapping[str, str] = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+}
+
+
 def activation(name: str) -> Callable[[mx.array], mx.array]:
     try:
         return _ACTIVATIONS[name]
@@ -100,9 +111,17 @@ class MLP(Module):
         self.up_proj = Linear(dims, hidden, bias=bias)
         self.down_proj = Linear(hidden, dims, bias=bias)
         self._act = activation(act)
+        self._kernel_act = _KERNEL_ACTIVATIONS.get(act)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        hidden = None
+        if self._kernel_act is not None:
+            # on the CPU, MLX's scalar exp makes the activation cost half a matmul
+            hidden = cpu_kernels.gated_mul(gate, up, self._kernel_act)
+        if hidden is None:
+            hidden = self._act(gate) * up
+        return self.down_proj(hidden)
 
 
 def _softcapped_attention(
@@ -143,7 +162,13 @@ def attention(
     """(B, Hq, L, D) queries over (B, Hkv, K, D) keys/values; Hq a multiple of Hkv.
 
     The queries are the last L of the K positions (as every cache hands them over).
+    On the CPU, prefill-sized causal or unmasked attention runs in the C kernel
+    (cpu_kernels.attention); Metal and CUDA keep MLX's fused kernel.
     """
+    if softcap is None and (mask is None or isinstance(mask, str)):
+        out = cpu_kernels.attention(q, k, v, scale=scale, causal=mask is not None)
+        if out is not None:
+            return out
     length, keys = q.shape[2], k.shape[2]
     if length > block and (mask == "causal" or _is_query_key_mask(mask, length, keys)):
         outs = []

@@ -1,0 +1,472 @@
+/* CPU kernels for MLX's CPU backend, loaded with ctypes by runtime/models/cpu_kernels.py.
+ *
+ * MLX's CPU exp is scalar (about 45M floats/s on one core), so attention's softmax and
+ * the MLP's activation dominate a long prefill. These kernels do the same maths with a
+ * vectorised exp2 and several threads:
+ *
+ *   mlxgw_attention: blocked attention with an online softmax (causal or unmasked, GQA)
+ *   mlxgw_gated_mul: silu(g) * u or gelu_tanh(g) * u, elementwise (the gated MLP)
+ *
+ * Everything is written with the GCC/clang vector extension (8 floats per vector), so one
+ * source compiles for any target; on x86 each hot function is built twice, for the
+ * baseline ISA and for AVX2+FMA, and the second is chosen at run time when the CPU has it.
+ * No Python headers: the library is a plain shared object with a C ABI.
+ */
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* the vector helpers are always inlined, so no 32-byte vector crosses a call boundary */
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wpsabi"
+#elif defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+#define EXPORT __attribute__((visibility("default")))
+#define INLINE static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 8")
+
+#if defined(__x86_64__) || defined(__i386__)
+#define HAVE_X86_DISPATCH 1
+#define TARGET_AVX2 __attribute__((target("avx2,fma")))
+#else
+#define HAVE_X86_DISPATCH 0
+#endif
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+INLINE v8f vload(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE void vstore(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+INLINE v8f vsplat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+INLINE v8i vsplati(int32_t x) { return (v8i){x, x, x, x, x, x, x, x}; }
+
+INLINE v8f vselect(v8i mask, v8f yes, v8f no) {
+    return (v8f)((mask & (v8i)yes) | (~mask & (v8i)no));
+}
+
+INLINE v8f vmax(v8f a, v8f b) { return vselect(a > b, a, b); }
+
+INLINE v8f vmin(v8f a, v8f b) { return vselect(a < b, a, b); }
+
+/* 2^x, about 1 ulp: x = n + f with n an integer and |f| <= 1/2, 2^f by its Taylor series
+ * to degree 6, 2^n by building the exponent bits. Exactly 0 below -126 (and for -inf and
+ * NaN, which the masked scores use); saturates at 2^127. */
+INLINE v8f vexp2(v8f x) {
+    const v8f magic = vsplat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    v8i keep = x >= vsplat(-126.0f);
+    x = vmin(vmax(x, vsplat(-126.0f)), vsplat(127.0f));
+    v8f t = x + magic;
+    v8f n = t - magic;
+    v8f f = x - n;
+    v8f p = vsplat(1.5403530393381606e-4f);
+    p = p * f + vsplat(1.3333558146428443e-3f);
+    p = p * f + vsplat(9.6181291076284772e-3f);
+    p = p * f + vsplat(5.5504108664821580e-2f);
+    p = p * f + vsplat(2.4022650695910071e-1f);
+    p = p * f + vsplat(6.9314718055994531e-1f);
+    p = p * f + vsplat(1.0f);
+    v8i bits = ((v8i)t - (v8i)magic + vsplati(127)) << 23;
+    return (v8f)((v8i)(p * (v8f)bits) & keep);
+}
+
+/* ---------------------------------------------------------------- attention ---- */
+
+typedef struct {
+    const float *q; /* (B, Hq, L, D), any strides but unit stride along D */
+    const float *k; /* (B, Hkv, K, D) */
+    const float *v; /* (B, Hkv, K, D) */
+    float *out;     /* (B, Hq, L, D) as strides: e.g. a (B, L, Hq, D) buffer */
+    int64_t q_strides[3], k_strides[3], v_strides[3], o_strides[3]; /* b, head, row */
+    int32_t batch, q_heads, kv_heads, length, keys, dim;
+    float scale;
+    int32_t causal;  /* 1: query i is key position keys - length + i and sees keys <= it */
+    int32_t threads;
+    int32_t generic; /* 1: the portable code even where AVX2 is available (tests) */
+} AttnArgs;
+
+/* Each work item is QBLOCK rows of one KV head; it walks the keys KBLOCK at a time and
+ * each block in tiles of ROWS rows x KSTEP keys (scores) and ROWS rows x DSTEP dims (values):
+ * 12 vector accumulators, which fit AVX2's 16 registers. Block sizes from 64 to 512 keys
+ * and 32 to 128 rows measured the same (about 70 GFLOP/s a core on Zen 3); override with
+ * -D for experiments. */
+#ifndef KBLOCK_SIZE
+#define KBLOCK_SIZE 256
+#endif
+#ifndef QBLOCK_SIZE
+#define QBLOCK_SIZE 64
+#endif
+enum { ROWS = 16, QBLOCK = QBLOCK_SIZE, KBLOCK = KBLOCK_SIZE, KSTEP = 6, DSTEP = 6, MAX_DIM = 512 };
+
+typedef struct {
+    float *qt;  /* (dim, QBLOCK): scaled queries, transposed so rows are vector lanes */
+    float *ot;  /* (dim, QBLOCK): output accumulators, transposed */
+    float *st;  /* (KBLOCK, ROWS): scores, then probabilities, of one row tile */
+    float *m;   /* (QBLOCK) running max, in log2 units */
+    float *l;   /* (QBLOCK) running sum */
+    int32_t *pos; /* (QBLOCK) key position of each row */
+} Scratch;
+
+/* scores St[i][0:16] = sum_d Qt[d][0:16] * K[i][d] for `n` keys (n <= KSTEP, a constant
+ * after inlining, so the accumulators live in registers) */
+INLINE void score_keys(int n, const float *qt, const float *kp, int64_t ldk, int dim,
+                       float *st) {
+    v8f acc[KSTEP][2];
+    UNROLL for (int i = 0; i < n; i++) acc[i][0] = acc[i][1] = vsplat(0.0f);
+    for (int d = 0; d < dim; d++) {
+        v8f q0 = vload(qt + d * QBLOCK), q1 = vload(qt + d * QBLOCK + 8);
+        UNROLL for (int i = 0; i < n; i++) {
+            float kv = kp[i * ldk + d]; /* scalar * vector broadcasts it */
+            acc[i][0] += kv * q0;
+            acc[i][1] += kv * q1;
+        }
+    }
+    UNROLL for (int i = 0; i < n; i++) {
+        vstore(st + i * ROWS, acc[i][0]);
+        vstore(st + i * ROWS + 8, acc[i][1]);
+    }
+}
+
+/* Ot[d0+i][0:16] += sum_j V[j][d0+i] * St[j][0:16] for i < n (n <= DSTEP) */
+INLINE void accumulate_values(int n, const float *st, const float *vp, int64_t ldv, int count,
+                              float *ot) {
+    v8f acc[DSTEP][2];
+    UNROLL for (int i = 0; i < n; i++) {
+        acc[i][0] = vload(ot + i * QBLOCK);
+        acc[i][1] = vload(ot + i * QBLOCK + 8);
+    }
+    for (int j = 0; j < count; j++) {
+        v8f p0 = vload(st + j * ROWS), p1 = vload(st + j * ROWS + 8);
+        const float *row = vp + j * ldv;
+        UNROLL for (int i = 0; i < n; i++) {
+            float vv = row[i];
+            acc[i][0] += vv * p0;
+            acc[i][1] += vv * p1;
+        }
+    }
+    UNROLL for (int i = 0; i < n; i++) {
+        vstore(ot + i * QBLOCK, acc[i][0]);
+        vstore(ot + i * QBLOCK + 8, acc[i][1]);
+    }
+}
+
+INLINE void score_block(const float *qt, const float *kp, int64_t ldk, int dim, int count,
+                        float *st) {
+    int i = 0;
+    for (; i + KSTEP <= count; i += KSTEP)
+        score_keys(KSTEP, qt, kp + i * ldk, ldk, dim, st + i * ROWS);
+    switch (count - i) {
+    case 5: score_keys(5, qt, kp + i * ldk, ldk, dim, st + i * ROWS); break;
+    case 4: score_keys(4, qt, kp + i * ldk, ldk, dim, st + i * ROWS); break;
+    case 3: score_keys(3, qt, kp + i * ldk, ldk, dim, st + i * ROWS); break;
+    case 2: score_keys(2, qt, kp + i * ldk, ldk, dim, st + i * ROWS); break;
+    case 1: score_keys(1, qt, kp + i * ldk, ldk, dim, st + i * ROWS); break;
+    default: break;
+    }
+}
+
+INLINE void value_block(const float *st, const float *vp, int64_t ldv, int dim, int count,
+                        float *ot) {
+    int d = 0;
+    for (; d + DSTEP <= dim; d += DSTEP)
+        accumulate_values(DSTEP, st, vp + d, ldv, count, ot + d * QBLOCK);
+    switch (dim - d) {
+    case 5: accumulate_values(5, st, vp + d, ldv, count, ot + d * QBLOCK); break;
+    case 4: accumulate_values(4, st, vp + d, ldv, count, ot + d * QBLOCK); break;
+    case 3: accumulate_values(3, st, vp + d, ldv, count, ot + d * QBLOCK); break;
+    case 2: accumulate_values(2, st, vp + d, ldv, count, ot + d * QBLOCK); break;
+    case 1: accumulate_values(1, st, vp + d, ldv, count, ot + d * QBLOCK); break;
+    default: break;
+    }
+}
+
+/* Online softmax over `count` scores of one row tile (16 rows at m/l/ot), keys from
+ * absolute position j0; keys after a row's own position are masked when `masked`. */
+INLINE void softmax_block(float *st, int count, int32_t j0, const int32_t *pos, int masked,
+                          float *m, float *l, float *ot, int dim) {
+    v8f mx0 = vsplat(-__builtin_inff()), mx1 = mx0;
+    v8i pos0 = vsplati(0), pos1 = vsplati(0);
+    memcpy(&pos0, pos, sizeof pos0);
+    memcpy(&pos1, pos + 8, sizeof pos1);
+    const v8f ninf = vsplat(-__builtin_inff());
+    for (int j = 0; j < count; j++) {
+        v8f s0 = vload(st + j * ROWS), s1 = vload(st + j * ROWS + 8);
+        if (masked) {
+            v8i key = vsplati(j0 + j);
+            s0 = vselect(key <= pos0, s0, ninf);
+            s1 = vselect(key <= pos1, s1, ninf);
+            vstore(st + j * ROWS, s0);
+            vstore(st + j * ROWS + 8, s1);
+        }
+        mx0 = vmax(mx0, s0);
+        mx1 = vmax(mx1, s1);
+    }
+    v8f old0 = vload(m), old1 = vload(m + 8);
+    v8f new0 = vmax(old0, mx0), new1 = vmax(old1, mx1);
+    v8f alpha0 = vexp2(old0 - new0), alpha1 = vexp2(old1 - new1);
+    v8f sum0 = vsplat(0.0f), sum1 = vsplat(0.0f);
+    for (int j = 0; j < count; j++) {
+        v8f p0 = vexp2(vload(st + j * ROWS) - new0), p1 = vexp2(vload(st + j * ROWS + 8) - new1);
+        vstore(st + j * ROWS, p0);
+        vstore(st + j * ROWS + 8, p1);
+        sum0 += p0;
+        sum1 += p1;
+    }
+    vstore(m, new0);
+    vstore(m + 8, new1);
+    vstore(l, vload(l) * alpha0 + sum0);
+    vstore(l + 8, vload(l + 8) * alpha1 + sum1);
+    for (int d = 0; d < dim; d++) {
+        vstore(ot + d * QBLOCK, vload(ot + d * QBLOCK) * alpha0);
+        vstore(ot + d * QBLOCK + 8, vload(ot + d * QBLOCK + 8) * alpha1);
+    }
+}
+
+/* Row `r` of a KV head's rows: the rows of one KV head are its (query, query head) pairs,
+ * query-major, so the heads sharing the KV head (GQA) share its work item and the rows'
+ * key positions never decrease. */
+INLINE int64_t row_offset(const int64_t *strides, int b, int kvh, int group, int64_t r) {
+    int64_t query = r / group, head = (int64_t)kvh * group + r % group;
+    return b * strides[0] + head * strides[1] + query * strides[2];
+}
+
+/* One work item: QBLOCK rows of one (batch, KV head) against the keys they see. */
+INLINE void attend_item(const AttnArgs *a, Scratch *s, int64_t item) {
+    const int group = a->q_heads / a->kv_heads;
+    const int64_t total_rows = (int64_t)a->length * group;
+    const int64_t nqb = (total_rows + QBLOCK - 1) / QBLOCK;
+    /* costliest items first: with a causal mask the last rows see the most keys */
+    const int64_t qb = nqb - 1 - item % nqb;
+    const int64_t bk = item / nqb;
+    const int b = (int)(bk / a->kv_heads), kvh = (int)(bk % a->kv_heads);
+    const int dim = a->dim;
+    const int64_t r0 = qb * QBLOCK;
+    const int rows = total_rows - r0 < QBLOCK ? (int)(total_rows - r0) : QBLOCK;
+    const int tiles = (rows + ROWS - 1) / ROWS;
+    const float qscale = a->scale * 1.4426950408889634f; /* scores in log2 units */
+    const float *kp = a->k + b * a->k_strides[0] + kvh * a->k_strides[1];
+    const float *vp = a->v + b * a->v_strides[0] + kvh * a->v_strides[1];
+
+    for (int r = 0; r < tiles * ROWS; r++) {
+        int real = r < rows ? r : rows - 1; /* padding rows copy the last row's position */
+        int32_t query = (int32_t)((r0 + real) / group);
+        s->pos[r] = a->causal ? a->keys - a->length + query : a->keys - 1;
+        s->m[r] = -__builtin_inff();
+        s->l[r] = 0.0f;
+        const float *qp = a->q + row_offset(a->q_strides, b, kvh, group, r0 + real);
+        for (int d = 0; d < dim; d++) {
+            s->qt[d * QBLOCK + r] = r < rows ? qp[d] * qscale : 0.0f;
+            s->ot[d * QBLOCK + r] = 0.0f;
+        }
+    }
+    const int32_t key_end = s->pos[tiles * ROWS - 1] + 1;
+    for (int32_t j0 = 0; j0 < key_end; j0 += KBLOCK) {
+        const int32_t block_end = j0 + KBLOCK < key_end ? j0 + KBLOCK : key_end;
+        const float *kb = kp + j0 * a->k_strides[2];
+        const float *vb = vp + j0 * a->v_strides[2];
+        for (int t = 0; t < tiles; t++) {
+            const int32_t *pos = s->pos + t * ROWS;
+            int32_t tile_end = pos[ROWS - 1] + 1 < block_end ? pos[ROWS - 1] + 1 : block_end;
+            int count = tile_end - j0;
+            if (count <= 0) continue;
+            int masked = tile_end - 1 > pos[0];
+            score_block(s->qt + t * ROWS, kb, a->k_strides[2], dim, count, s->st);
+            softmax_block(s->st, count, j0, pos, masked, s->m + t * ROWS, s->l + t * ROWS,
+                          s->ot + t * ROWS, dim);
+            value_block(s->st, vb, a->v_strides[2], dim, count, s->ot + t * ROWS);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float *op = a->out + row_offset(a->o_strides, b, kvh, group, r0 + r);
+        float inv = 1.0f / s->l[r];
+        for (int d = 0; d < dim; d++) op[d] = s->ot[d * QBLOCK + r] * inv;
+    }
+}
+
+static void attend_item_generic(const AttnArgs *a, Scratch *s, int64_t item) {
+    attend_item(a, s, item);
+}
+
+#if HAVE_X86_DISPATCH
+TARGET_AVX2 static void attend_item_avx2(const AttnArgs *a, Scratch *s, int64_t item) {
+    attend_item(a, s, item);
+}
+#endif
+
+/* ------------------------------------------------------------ gated activations ---- */
+
+enum { GATE_SILU = 0, GATE_GELU_TANH = 1 };
+
+/* out = act(g) * u. Both activations are x * sigmoid(z): silu with z = x, and tanh-gelu,
+ * 0.5 x (1 + tanh(y)) with y = sqrt(2/pi) (x + 0.044715 x^3), is x * sigmoid(2y), which
+ * avoids tanh's cancellation near 0. sigmoid(z) = 1 / (1 + 2^(-z log2 e)). */
+INLINE v8f gated(int kind, v8f x, v8f u) {
+    const v8f one = vsplat(1.0f), nlog2e = vsplat(-1.4426950408889634f);
+    v8f z = x;
+    if (kind == GATE_GELU_TANH)
+        z = vsplat(1.5957691216057308f) * (x + vsplat(0.044715f) * x * x * x);
+    return x * u / (one + vexp2(z * nlog2e));
+}
+
+INLINE void gated_range(int kind, const float *g, const float *u, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) vstore(out + i, gated(kind, vload(g + i), vload(u + i)));
+    if (i < n) {
+        float gx[8] = {0}, ux[8] = {0}, ox[8];
+        memcpy(gx, g + i, (size_t)(n - i) * sizeof(float));
+        memcpy(ux, u + i, (size_t)(n - i) * sizeof(float));
+        vstore(ox, gated(kind, vload(gx), vload(ux)));
+        memcpy(out + i, ox, (size_t)(n - i) * sizeof(float));
+    }
+}
+
+static void gated_generic(int kind, const float *g, const float *u, float *out, int64_t n) {
+    if (kind == GATE_SILU)
+        gated_range(GATE_SILU, g, u, out, n);
+    else
+        gated_range(GATE_GELU_TANH, g, u, out, n);
+}
+
+#if HAVE_X86_DISPATCH
+TARGET_AVX2 static void gated_avx2(int kind, const float *g, const float *u, float *out,
+                                   int64_t n) {
+    if (kind == GATE_SILU)
+        gated_range(GATE_SILU, g, u, out, n);
+    else
+        gated_range(GATE_GELU_TANH, g, u, out, n);
+}
+#endif
+
+/* ---------------------------------------------------------------- threads ---- */
+
+typedef void (*ItemFn)(const AttnArgs *, Scratch *, int64_t);
+typedef void (*GatedFn)(int, const float *, const float *, float *, int64_t);
+
+static int use_avx2(int generic) {
+#if HAVE_X86_DISPATCH
+    return !generic && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    (void)generic;
+    return 0;
+#endif
+}
+
+typedef struct {
+    int64_t next; /* next work item, taken with an atomic add */
+    int64_t total;
+    int failed;   /* a worker could not allocate its scratch */
+    const AttnArgs *attn;
+    ItemFn item_fn;
+    const float *g, *u;
+    float *out;
+    int64_t chunk;
+    int kind;
+    GatedFn gated_fn;
+} Job;
+
+static void *attn_worker(void *arg) {
+    Job *job = arg;
+    const AttnArgs *a = job->attn;
+    Scratch s;
+    size_t plane = (size_t)a->dim * QBLOCK * sizeof(float);
+    s.qt = malloc(plane);
+    s.ot = malloc(plane);
+    s.st = malloc((size_t)KBLOCK * ROWS * sizeof(float));
+    s.m = malloc(QBLOCK * sizeof(float));
+    s.l = malloc(QBLOCK * sizeof(float));
+    s.pos = malloc(QBLOCK * sizeof(int32_t));
+    if (!s.qt || !s.ot || !s.st || !s.m || !s.l || !s.pos) {
+        __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
+    } else {
+        for (;;) {
+            int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+            if (item >= job->total) break;
+            job->item_fn(a, &s, item);
+        }
+    }
+    free(s.qt);
+    free(s.ot);
+    free(s.st);
+    free(s.m);
+    free(s.l);
+    free(s.pos);
+    return NULL;
+}
+
+static void *gated_worker(void *arg) {
+    Job *job = arg;
+    for (;;) {
+        int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        int64_t start = item * job->chunk;
+        if (start >= job->total) break;
+        int64_t n = job->total - start < job->chunk ? job->total - start : job->chunk;
+        job->gated_fn(job->kind, job->g + start, job->u + start, job->out + start, n);
+    }
+    return NULL;
+}
+
+/* Run `worker` on `threads` threads, the caller being one of them. A thread that cannot
+ * be started leaves its share to the others. */
+static void run_threads(void *(*worker)(void *), Job *job, int threads) {
+    enum { MAX_THREADS = 256 };
+    pthread_t ids[MAX_THREADS];
+    int started = 0;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    for (int i = 1; i < threads; i++) {
+        if (pthread_create(&ids[started], NULL, worker, job) == 0) started++;
+    }
+    worker(job);
+    for (int i = 0; i < started; i++) pthread_join(ids[i], NULL);
+}
+
+/* Returns 0 on success, 1 for arguments it does not handle, 2 when out of memory. */
+EXPORT int mlxgw_attention(const AttnArgs *a) {
+    if (a->batch < 1 || a->q_heads < 1 || a->kv_heads < 1 || a->q_heads % a->kv_heads != 0 ||
+        a->length < 1 || a->keys < a->length || a->dim < 1 || a->dim > MAX_DIM)
+        return 1;
+    Job job = {0};
+    job.attn = a;
+    int64_t rows = (int64_t)a->length * (a->q_heads / a->kv_heads);
+    job.total = (int64_t)a->batch * a->kv_heads * ((rows + QBLOCK - 1) / QBLOCK);
+    job.item_fn = attend_item_generic;
+#if HAVE_X86_DISPATCH
+    if (use_avx2(a->generic)) job.item_fn = attend_item_avx2;
+#endif
+    run_threads(attn_worker, &job, a->threads < 1 ? 1 : a->threads);
+    return job.failed ? 2 : 0;
+}
+
+/* out = act(g) * u over n floats; kind: 0 silu, 1 tanh-approximated gelu; generic as in
+ * AttnArgs. */
+EXPORT int mlxgw_gated_mul(const float *g, const float *u, float *out, int64_t n, int32_t kind,
+                           int32_t threads, int32_t generic) {
+    if (kind != GATE_SILU && kind != GATE_GELU_TANH) return 1;
+    (void)generic; /* read only where there is a choice of code */
+    Job job = {0};
+    job.g = g;
+    job.u = u;
+    job.out = out;
+    job.total = n;
+    job.chunk = 1 << 16;
+    job.kind = kind;
+    job.gated_fn = gated_generic;
+#if HAVE_X86_DISPATCH
+    if (use_avx2(generic)) job.gated_fn = gated_avx2;
+#endif
+    if (threads < 1 || n < 2 * job.chunk) threads = 1; /* small inputs: not worth a thread */
+    run_threads(gated_worker, &job, threads);
+    return 0;
+}
+
+/* Which code the kernels run: "avx2-fma" or "generic". */
+EXPORT const char *mlxgw_isa(int32_t generic) { return use_avx2(generic) ? "avx2-fma" : "generic"; }
