@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from runtime.cache.kv import KVCache, KVSnapshot
+from runtime.cache.latent import LatentCache
 from runtime.cache.mask import Mask, window_mask
 from runtime.cache.protocol import ArraySnapshot, Cache, LayerCache, Snapshot
 from runtime.cache.recurrent import RecurrentCache, RecurrentSnapshot
@@ -13,6 +14,7 @@ __all__ = [
     "Cache",
     "KVCache",
     "KVSnapshot",
+    "LatentCache",
     "LayerCache",
     "Mask",
     "RecurrentCache",

@@ -1,0 +1,162 @@
+"""Tiny random transformers DeepSeek-V3 models (the oracle for runtime/models/deepseek_v3.py).
+
+Import only after ``pytest.importorskip("torch")`` and ``("transformers")``: this module
+imports both at the top.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+VOCAB = 1024
+HEADS = 4
+KV_LORA_RANK = 32
+QK_NOPE, QK_ROPE, V_HEAD = 16, 8, 16
+LAYERS = 3
+
+_BASE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": HEADS,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "kv_lora_rank": KV_LORA_RANK,
+    "q_lora_rank": 32,
+    "qk_nope_head_dim": QK_NOPE,
+    "qk_rope_head_dim": QK_ROPE,
+    "v_head_dim": V_HEAD,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 4,
+    "topk_group": 2,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1,
+}
+
+# DeepSeek's own shape of YaRN, scaled down: mscale != mscale_all_dim so that both the
+# rotary attention factor and the softmax-scale correction differ from 1
+_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "rope_theta": 10_000.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
+
+
+def _deepseek(**extra: Any) -> Any:
+    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**_BASE, **extra}))
+
+
+_Rewrite = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _old_rope_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """transformers-5 `rope_parameters` rewritten as DeepSeek's released config.json has
+    them: top-level rope_theta and rope_scaling with "type"."""
+    params = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = params.pop("rope_theta")
+    params["type"] = params.pop("rope_type")
+    config["rope_scaling"] = params
+    return config
+
+
+# name -> (builder, config.json rewrite or None)
+VARIANTS: Mapping[str, tuple[Callable[[], Any], _Rewrite | None]] = {
+    # q through the low-rank pair, interleaved YaRN rope, grouped routing
+    "deepseek_v3": (lambda: _deepseek(rope_parameters=dict(_YARN)), None),
+    # q_proj directly, plain rope in halves, biases, ungrouped routing, no renormalising,
+    # two shared experts, MoE from layer 0
+    "deepseek_v3_plain": (
+        lambda: _deepseek(
+            q_lora_rank=None,
+            rope_interleave=False,
+            attention_bias=True,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.5,
+            n_shared_experts=2,
+            first_k_dense_replace=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 5_000.0},
+        ),
+        None,
+    ),
+    "deepseek_v3_old_rope_keys": (lambda: _deepseek(rope_parameters=dict(_YARN)), _old_rope_keys),
+}
+
+
+def _randomize(model: Any, seed: int) -> None:
+    """Spread weights and buffers so that any wrong formula shows in the logits.
+
+    Default initialisation leaves norms at 1 and the router's correction bias at 0, which
+    would hide mistakes in them; the bias gets the scale of the sigmoid scores it shifts.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.rand(param.shape, generator=gen) + 0.5)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.08)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
+
+
+def add_mtp_layer(directory: Path, num_layers: int = LAYERS) -> list[str]:
+    """Append a multi-token-prediction layer (index `num_layers`) to a saved checkpoint,
+    shaped as DeepSeek ships it; return its tensor names."""
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    last, mtp = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+    extra = {mtp + k[len(last) :]: v.clone() for k, v in tensors.items() if k.startswith(last)}
+    hidden = tensors["model.norm.weight"].shape[0]
+    extra[mtp + "eh_proj.weight"] = torch.zeros(hidden, 2 * hidden)
+    extra[mtp + "enorm.weight"] = torch.ones(hidden)
+    extra[mtp + "hnorm.weight"] = torch.ones(hidden)
+    extra[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file({**tensors, **extra}, str(path), metadata={"format": "pt"})
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config["num_nextn_predict_layers"] = 1
+    config_path.write_text(json.dumps(config, indent=2))
+    return sorted(extra)
+
+
+def make_tiny(name: str, directory: Path, seed: int = 0) -> Any:
+    """Build the `name` variant, save it into `directory`; return the torch model (eval)."""
+    builder, rewrite = VARIANTS[name]
+    torch.manual_seed(seed)
+    model = builder()
+    _randomize(model, seed)
+    model.config._attn_implementation = "eager"
+    model.eval()
+    model.save_pretrained(directory)
+    if rewrite is not None:
+        path = directory / "config.json"
+        path.write_text(json.dumps(rewrite(json.loads(path.read_text())), indent=2))
+    return model
+
+
+def torch_state(model: Any) -> dict[str, mx.array]:
+    """transformers' in-memory tensors (fused experts) as MLX arrays, buffers included."""
+    state = model.state_dict()
+    return {k: mx.array(v.detach().float().numpy()) for k, v in state.items()}
