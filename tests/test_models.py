@@ -3,9 +3,7 @@ chunked prefill and step-by-step decode must give the logits one full pass gives
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 import numpy as np
@@ -15,8 +13,17 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from runtime.cache import Cache, KVCache, RotatingKVCache, window_mask
-from runtime.models import LanguageModel, build_model, supported_model_types
+from runtime.models import build_model, supported_model_types
 from runtime.models.base import attention
+from tests.model_checks import (
+    TinyModels,
+    assert_chunked_prefill_then_decode,
+    assert_matches_transformers,
+    assert_step_decode_matches_full,
+    chunked,
+    forward,
+    random_tokens,
+)
 from tests.tiny_models import (
     GEMMA_WINDOW,
     VARIANTS,
@@ -32,108 +39,56 @@ ATOL = 1e-4
 CACHE_VARIANTS = ("llama", "qwen3", "gemma3_text")
 
 
-class _Tiny(dict[str, tuple[Any, Path]]):
-    """name -> (torch model, saved folder), each built on first use."""
-
-    def __init__(self, factory: pytest.TempPathFactory) -> None:
-        super().__init__()
-        self._factory = factory
-
-    def __missing__(self, name: str) -> tuple[Any, Path]:
-        directory = self._factory.mktemp(name)
-        self[name] = (make_tiny(name, directory), directory)
-        return self[name]
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> _Tiny:
-    return _Tiny(tmp_path_factory)
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    return TinyModels(tmp_path_factory, make_tiny)
 
 
 def _tokens(n: int = SEQ, seed: int = 1) -> np.ndarray[Any, Any]:
-    return np.random.default_rng(seed).integers(0, VOCAB, size=(1, n)).astype(np.int32)
-
-
-def _run(model: LanguageModel, tokens: np.ndarray[Any, Any], caches: Sequence[Cache]) -> Any:
-    out = model(mx.array(tokens), caches)
-    mx.eval(out, *[a for c in caches for a in c.state])
-    return np.array(out)
-
-
-def _chunked(
-    model: LanguageModel,
-    tokens: np.ndarray[Any, Any],
-    sizes: Sequence[int],
-    caches: Sequence[Cache],
-) -> Any:
-    """Feed `tokens` in chunks of the given sizes (the last repeats); return all logits."""
-    outs, start, i = [], 0, 0
-    while start < tokens.shape[1]:
-        size = sizes[min(i, len(sizes) - 1)]
-        outs.append(_run(model, tokens[:, start : start + size], caches))
-        start, i = start + size, i + 1
-    return np.concatenate(outs, axis=1)
+    return random_tokens(VOCAB, n, seed)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_logits_match_transformers(name: str, tiny: _Tiny) -> None:
-    hf, directory = tiny[name]
-    tokens = _tokens()
-    model = load_mlx(directory)
-    ours = _run(model, tokens, model.make_caches())
-    np.testing.assert_allclose(ours, torch_logits(hf, tokens), atol=ATOL, rtol=0)
+def test_logits_match_transformers(name: str, tiny: TinyModels) -> None:
+    assert_matches_transformers(*tiny[name], _tokens(), ATOL)
 
 
 @pytest.mark.parametrize("chunk", [7, 16])
 @pytest.mark.parametrize("name", CACHE_VARIANTS)
-def test_chunked_prefill_then_decode_matches_one_shot(name: str, chunk: int, tiny: _Tiny) -> None:
+def test_chunked_prefill_then_decode_matches_one_shot(
+    name: str, chunk: int, tiny: TinyModels
+) -> None:
     model = load_mlx(tiny[name][1])
-    tokens = _tokens(SEQ + 5)
-    prompt, follow = tokens[:, :SEQ], tokens[:, SEQ:]
-
-    one_shot = model.make_caches()
-    ref_last = _run(model, prompt, one_shot)[:, -1]
-    ref_decode = [_run(model, follow[:, i : i + 1], one_shot) for i in range(follow.shape[1])]
-
-    caches = model.make_caches()
-    last = _chunked(model, prompt, [chunk], caches)[:, -1]
-    np.testing.assert_allclose(last, ref_last, atol=ATOL, rtol=0)
-    for i, ref in enumerate(ref_decode):
-        np.testing.assert_allclose(_run(model, follow[:, i : i + 1], caches), ref, atol=ATOL)
-    assert all(c.offset == SEQ + 5 for c in caches)
+    assert_chunked_prefill_then_decode(model, _tokens(SEQ + 5), SEQ, chunk, ATOL)
 
 
 @pytest.mark.parametrize("name", CACHE_VARIANTS)
-def test_step_decode_matches_full_sequence(name: str, tiny: _Tiny) -> None:
+def test_step_decode_matches_full_sequence(name: str, tiny: TinyModels) -> None:
     model = load_mlx(tiny[name][1])
-    tokens = _tokens()
-    full = _run(model, tokens, model.make_caches())
-    caches = model.make_caches()
-    steps = _chunked(model, tokens, [5, 1], caches)
-    np.testing.assert_allclose(steps, full, atol=ATOL, rtol=0)
+    assert_step_decode_matches_full(model, _tokens(), ATOL)
 
 
-def test_gemma3_any_chunk_schedule_matches(tiny: _Tiny) -> None:
+def test_gemma3_any_chunk_schedule_matches(tiny: TinyModels) -> None:
     """Every transition: chunks below, at and above the window, decode before and after
     the ring wraps, and a chunk arriving while the ring is mid-rotation."""
     model = load_mlx(tiny["gemma3_text"][1])
     tokens = _tokens(60)
-    full = _run(model, tokens, model.make_caches())
+    full = forward(model, tokens, model.make_caches())
     sizes = [3, 1, 1, 9, 1, 1, 1, 7, GEMMA_WINDOW, 1, 2, 1, 16, 1, 1, 1, 5]
-    got = _chunked(model, tokens, sizes, model.make_caches())
+    got = chunked(model, tokens, sizes, model.make_caches())
     np.testing.assert_allclose(got, full, atol=ATOL, rtol=0)
 
 
-def test_sliding_layers_served_by_growing_caches(tiny: _Tiny) -> None:
+def test_sliding_layers_served_by_growing_caches(tiny: TinyModels) -> None:
     """A KVCache keeps every token; the layer's window mask must still hide the old ones."""
     model = load_mlx(tiny["gemma3_text"][1])
     tokens = _tokens()
-    full = _run(model, tokens, model.make_caches())
+    full = forward(model, tokens, model.make_caches())
     plain: list[Cache] = [KVCache(step=5) for _ in range(model.args.num_layers)]
-    np.testing.assert_allclose(_chunked(model, tokens, [7, 1], plain), full, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(chunked(model, tokens, [7, 1], plain), full, atol=ATOL, rtol=0)
 
 
-def test_window_is_what_transformers_uses(tiny: _Tiny) -> None:
+def test_window_is_what_transformers_uses(tiny: TinyModels) -> None:
     """Guard the test's power: a window one token wider gives different logits."""
     model = load_mlx(tiny["gemma3_text"][1])
     tokens = _tokens()
@@ -142,11 +97,11 @@ def test_window_is_what_transformers_uses(tiny: _Tiny) -> None:
         for c in model.make_caches()
     ]
     assert any(isinstance(c, RotatingKVCache) for c in wider)
-    got = _chunked(model, tokens, [1], wider)
+    got = chunked(model, tokens, [1], wider)
     assert not np.allclose(got, torch_logits(tiny["gemma3_text"][0], tokens), atol=ATOL)
 
 
-def test_make_caches_follow_layer_types(tiny: _Tiny) -> None:
+def test_make_caches_follow_layer_types(tiny: TinyModels) -> None:
     model = load_mlx(tiny["gemma3_text"][1])
     kinds = [type(c).__name__ for c in model.make_caches()]
     assert kinds == ["RotatingKVCache", "KVCache", "RotatingKVCache", "KVCache"]
@@ -256,7 +211,9 @@ def test_blocked_causal_attention_equals_one_shot(kind: str, length: int, keys: 
     mx.random.seed(3)
     q = mx.random.normal((1, 4, length, 16))
     k, v = mx.random.normal((1, 2, keys, 16)), mx.random.normal((1, 2, keys, 16))
-    mask = "causal" if kind == "causal" else window_mask(length, keys, 7)
+    mask: mx.array | Literal["causal"] = (
+        "causal" if kind == "causal" else window_mask(length, keys, 7)
+    )
     whole = attention(q, k, v, scale=0.25, mask=mask, block=10**6)
     blocked = attention(q, k, v, scale=0.25, mask=mask, block=8)
     assert mx.allclose(whole, blocked, atol=1e-5).item()

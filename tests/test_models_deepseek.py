@@ -21,13 +21,20 @@ from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.quantized import QuantizedLinear, quantize
 from mlx.utils import tree_flatten
 
-from runtime.cache import Cache, KVCache, LatentCache
+from runtime.cache import KVCache, LatentCache
 from runtime.loader import load
 from runtime.models import build_model, supported_model_types
 from runtime.models.deepseek_v3 import Model, ModelArgs
 from runtime.models.mla import MLAConfig, MultiLatentAttention, use_absorbed
 from runtime.models.moe import SparseMoE
 from runtime.prefix_cache import PrefixCache
+from tests.model_checks import (
+    TinyModels,
+    assert_matches_transformers,
+    chunked,
+    forward,
+    random_tokens,
+)
 from tests.tiny_deepseek import (
     HEADS,
     KV_LORA_RANK,
@@ -41,28 +48,15 @@ from tests.tiny_deepseek import (
     make_tiny,
     torch_state,
 )
-from tests.tiny_models import load_mlx, torch_logits
+from tests.tiny_models import load_mlx, torch_logits, write_tokenizer
 
 SEQ = 40
 ATOL = 1e-4
 
 
-class _Tiny(dict[str, tuple[Any, Path]]):
-    """name -> (torch model, saved folder), each built on first use."""
-
-    def __init__(self, factory: pytest.TempPathFactory) -> None:
-        super().__init__()
-        self._factory = factory
-
-    def __missing__(self, name: str) -> tuple[Any, Path]:
-        directory = self._factory.mktemp(name)
-        self[name] = (make_tiny(name, directory), directory)
-        return self[name]
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> _Tiny:
-    return _Tiny(tmp_path_factory)
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    return TinyModels(tmp_path_factory, make_tiny)
 
 
 def _model(directory: Path) -> Model:
@@ -72,24 +66,7 @@ def _model(directory: Path) -> Model:
 
 
 def _tokens(n: int = SEQ, seed: int = 1) -> np.ndarray[Any, Any]:
-    return np.random.default_rng(seed).integers(0, VOCAB, size=(1, n)).astype(np.int32)
-
-
-def _run(model: Model, tokens: np.ndarray[Any, Any], caches: Sequence[Cache]) -> Any:
-    out = model(mx.array(tokens), caches)
-    mx.eval(out, *[a for c in caches for a in c.state])
-    return np.array(out)
-
-
-def _chunked(model: Model, tokens: np.ndarray[Any, Any], sizes: Sequence[int]) -> Any:
-    """Feed `tokens` in chunks of the given sizes (the last repeats); return all logits."""
-    caches = model.make_caches()
-    outs, start, i = [], 0, 0
-    while start < tokens.shape[1]:
-        size = sizes[min(i, len(sizes) - 1)]
-        outs.append(_run(model, tokens[:, start : start + size], caches))
-        start, i = start + size, i + 1
-    return np.concatenate(outs, axis=1)
+    return random_tokens(VOCAB, n, seed)
 
 
 def _force(model: Model, absorb: bool | None) -> None:
@@ -102,16 +79,11 @@ def _force(model: Model, absorb: bool | None) -> None:
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_logits_match_transformers(name: str, tiny: _Tiny) -> None:
-    hf, directory = tiny[name]
-    tokens = _tokens()
-    model = _model(directory)
-    np.testing.assert_allclose(
-        _run(model, tokens, model.make_caches()), torch_logits(hf, tokens), atol=ATOL, rtol=0
-    )
+def test_logits_match_transformers(name: str, tiny: TinyModels) -> None:
+    assert_matches_transformers(*tiny[name], _tokens(), ATOL)
 
 
-def test_tiny_models_cover_what_they_claim(tiny: _Tiny) -> None:
+def test_tiny_models_cover_what_they_claim(tiny: TinyModels) -> None:
     """Guard the oracle's power: the variants exercise the switches they name."""
     model = _model(tiny["deepseek_v3"][1])
     args = model.args
@@ -128,14 +100,14 @@ def test_tiny_models_cover_what_they_claim(tiny: _Tiny) -> None:
     assert "rope_parameters" not in old and old["rope_scaling"]["type"] == "yarn"
 
 
-def test_wrong_softmax_scale_changes_the_logits(tiny: _Tiny) -> None:
+def test_wrong_softmax_scale_changes_the_logits(tiny: TinyModels) -> None:
     """The yarn mscale correction is visible at this tolerance (so it is tested)."""
     hf, directory = tiny["deepseek_v3"]
     model = _model(directory)
     for layer in model.model.layers:
         layer.self_attn.scale = model.args.mla.qk_head_dim**-0.5
     tokens = _tokens()
-    got = _run(model, tokens, model.make_caches())
+    got = forward(model, tokens, model.make_caches())
     assert not np.allclose(got, torch_logits(hf, tokens), atol=ATOL)
 
 
@@ -143,33 +115,33 @@ def test_wrong_softmax_scale_changes_the_logits(tiny: _Tiny) -> None:
 
 
 @pytest.mark.parametrize("chunk", [7, 16])
-def test_chunked_prefill_then_decode_matches_one_shot(chunk: int, tiny: _Tiny) -> None:
+def test_chunked_prefill_then_decode_matches_one_shot(chunk: int, tiny: TinyModels) -> None:
     model = _model(tiny["deepseek_v3"][1])
     tokens = _tokens(SEQ + 5)
-    full = _run(model, tokens, model.make_caches())
-    got = _chunked(model, tokens[:, :SEQ], [chunk])
+    full = forward(model, tokens, model.make_caches())
+    got = chunked(model, tokens[:, :SEQ], [chunk])
     np.testing.assert_allclose(got[:, -1], full[:, SEQ - 1], atol=ATOL, rtol=0)
     caches = model.make_caches()
-    _run(model, tokens[:, :SEQ], caches)
+    forward(model, tokens[:, :SEQ], caches)
     for i in range(SEQ, SEQ + 5):
-        step = _run(model, tokens[:, i : i + 1], caches)
+        step = forward(model, tokens[:, i : i + 1], caches)
         np.testing.assert_allclose(step[:, 0], full[:, i], atol=ATOL, rtol=0)
     assert all(c.offset == SEQ + 5 for c in caches)
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_plain"])
-def test_absorbed_decode_equals_expanded_prefill(name: str, tiny: _Tiny) -> None:
+def test_absorbed_decode_equals_expanded_prefill(name: str, tiny: TinyModels) -> None:
     """Step decode (absorbed) gives the logits of one full expanded pass, and so do
     chunks attended in the absorbed form (its causal mask over cached tokens)."""
     model = _model(tiny[name][1])
     tokens = _tokens()
     _force(model, False)
-    full = _run(model, tokens, model.make_caches())
+    full = forward(model, tokens, model.make_caches())
     _force(model, True)
-    np.testing.assert_allclose(_chunked(model, tokens, [1]), full, atol=ATOL, rtol=0)
-    np.testing.assert_allclose(_chunked(model, tokens, [6, 1, 9]), full, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(chunked(model, tokens, [1]), full, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(chunked(model, tokens, [6, 1, 9]), full, atol=ATOL, rtol=0)
     _force(model, False)
-    np.testing.assert_allclose(_chunked(model, tokens, [5, 1, 12]), full, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(chunked(model, tokens, [5, 1, 12]), full, atol=ATOL, rtol=0)
 
 
 def test_cost_model_absorbs_decode_and_expands_long_prefill() -> None:
@@ -181,7 +153,7 @@ def test_cost_model_absorbs_decode_and_expands_long_prefill() -> None:
     assert not use_absorbed(v3, 2048, 2048) and not use_absorbed(v3, 512, 4096)
 
 
-def test_quantized_kv_b_proj_absorbs_like_it_expands(tiny: _Tiny) -> None:
+def test_quantized_kv_b_proj_absorbs_like_it_expands(tiny: TinyModels) -> None:
     """With kv_b_proj MLX-quantized, the absorbed form folds the packed weights into
     the queries and outputs (quantized_matmul per head) and matches the expanded form."""
     model = _model(tiny["deepseek_v3"][1])
@@ -193,9 +165,9 @@ def test_quantized_kv_b_proj_absorbs_like_it_expands(tiny: _Tiny) -> None:
     assert isinstance(model.model.layers[0].self_attn.kv_b_proj, QuantizedLinear)
     tokens = _tokens()
     _force(model, False)
-    full = _run(model, tokens, model.make_caches())
+    full = forward(model, tokens, model.make_caches())
     _force(model, True)
-    np.testing.assert_allclose(_chunked(model, tokens, [3, 1]), full, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(chunked(model, tokens, [3, 1]), full, atol=ATOL, rtol=0)
 
 
 # -- the latent cache -----------------------------------------------------------------------
@@ -248,12 +220,12 @@ def test_latent_cache_rejects_per_head_entries() -> None:
         LatentCache().update_and_fetch(mx.zeros((1, 2, 3, 4)), mx.zeros((1, 2, 3, 2)))
 
 
-def test_latent_snapshots_are_a_fraction_of_full_kv(tiny: _Tiny) -> None:
+def test_latent_snapshots_are_a_fraction_of_full_kv(tiny: TinyModels) -> None:
     """Per layer and token the cache holds kv_lora_rank + rope numbers, where expanded
     attention would hold heads x (qk_head_dim + v_head_dim)."""
     model = _model(tiny["deepseek_v3"][1])
     caches = model.make_caches()
-    _run(model, _tokens(), caches)
+    forward(model, _tokens(), caches)
     kv = KVCache()
     kv.update_and_fetch(
         mx.zeros((1, HEADS, SEQ, QK_NOPE + QK_ROPE)), mx.zeros((1, HEADS, SEQ, V_HEAD))
@@ -280,8 +252,8 @@ def _cold(model: Model, prompt: Sequence[int]) -> np.ndarray[Any, Any]:
     """Last-token logits with no cache reuse: everything but the last token, then it."""
     caches = model.make_caches()
     tokens = np.array([prompt], dtype=np.int32)
-    _run(model, tokens[:, :-1], caches)
-    return np.asarray(_run(model, tokens[:, -1:], caches)[0, -1])
+    forward(model, tokens[:, :-1], caches)
+    return np.asarray(forward(model, tokens[:, -1:], caches)[0, -1])
 
 
 def _serve(pc: PrefixCache[Any], model: Model, prompt: Sequence[int]) -> tuple[int, Any]:
@@ -293,17 +265,17 @@ def _serve(pc: PrefixCache[Any], model: Model, prompt: Sequence[int]) -> tuple[i
     pos, last = lease.reused, len(prompt) - 1
     for target in sorted({*(p for p in lease.snapshot_points if p <= last), last}):
         if pos < target:
-            _run(model, np.array([prompt[pos:target]], dtype=np.int32), lease.caches)
+            forward(model, np.array([prompt[pos:target]], dtype=np.int32), lease.caches)
             pos = target
         if target in lease.snapshot_points:
             pc.snapshot_at(lease, target)
-    logits = _run(model, np.array([prompt[-1:]], dtype=np.int32), lease.caches)[0, -1]
+    logits = forward(model, np.array([prompt[-1:]], dtype=np.int32), lease.caches)[0, -1]
     pc.end(lease, prompt)
     pc.verify()
     return lease.reused, logits
 
 
-def test_prefix_cache_restores_latent_state(tiny: _Tiny) -> None:
+def test_prefix_cache_restores_latent_state(tiny: TinyModels) -> None:
     model = _model(tiny["deepseek_v3"][1])
     rng = np.random.default_rng(5)
     shared = [int(t) for t in rng.integers(0, VOCAB, 24)]
@@ -332,7 +304,7 @@ def test_prefix_cache_restores_latent_state(tiny: _Tiny) -> None:
 # -- checkpoints: layouts, MTP layers, the loader -------------------------------------------
 
 
-def test_sanitize_accepts_fused_and_stacked_experts(tiny: _Tiny) -> None:
+def test_sanitize_accepts_fused_and_stacked_experts(tiny: TinyModels) -> None:
     hf, directory = tiny["deepseek_v3"]
     tokens = _tokens()
     want = torch_logits(hf, tokens)
@@ -342,14 +314,14 @@ def test_sanitize_accepts_fused_and_stacked_experts(tiny: _Tiny) -> None:
     fused = build_model(config)
     assert isinstance(fused, Model)
     fused.load_weights(list(fused.sanitize(state).items()), strict=True)
-    np.testing.assert_allclose(_run(fused, tokens, fused.make_caches()), want, atol=ATOL)
+    np.testing.assert_allclose(forward(fused, tokens, fused.make_caches()), want, atol=ATOL)
     # mlx-community's stacked switch_mlp layout is our own parameter layout
     stacked = dict(tree_flatten(fused.parameters()))
     assert any(k.endswith("switch_mlp.gate_proj.weight") for k in stacked)
     again = build_model(config)
     assert isinstance(again, Model)
     again.load_weights(list(again.sanitize(stacked).items()), strict=True)
-    np.testing.assert_allclose(_run(again, tokens, again.make_caches()), want, atol=ATOL)
+    np.testing.assert_allclose(forward(again, tokens, again.make_caches()), want, atol=ATOL)
 
 
 def _mlx_lm_split(weights: dict[str, mx.array], group_size: int | None = None) -> None:
@@ -373,7 +345,7 @@ def _mlx_lm_split(weights: dict[str, mx.array], group_size: int | None = None) -
             weights[f"{prefix}.{module}.biases"] = biases
 
 
-def test_sanitize_fuses_mlx_lm_split_kv_b(tiny: _Tiny) -> None:
+def test_sanitize_fuses_mlx_lm_split_kv_b(tiny: TinyModels) -> None:
     """mlx-lm stores kv_b_proj split in two (float, or quantized along other axes);
     sanitize fuses the halves back into kv_b_proj."""
     _, directory = tiny["deepseek_v3"]
@@ -381,14 +353,14 @@ def test_sanitize_fuses_mlx_lm_split_kv_b(tiny: _Tiny) -> None:
     reference = _model(directory)
     params = dict(tree_flatten(reference.parameters()))
     tokens = _tokens()
-    want = _run(reference, tokens, reference.make_caches())
+    want = forward(reference, tokens, reference.make_caches())
     split = dict(params)
     _mlx_lm_split(split)
     assert not any("kv_b_proj" in k for k in split)
     model = build_model(config)
     assert isinstance(model, Model)
     model.load_weights(list(model.sanitize(split).items()), strict=True)
-    np.testing.assert_allclose(_run(model, tokens, model.make_caches()), want, atol=1e-5)
+    np.testing.assert_allclose(forward(model, tokens, model.make_caches()), want, atol=1e-5)
     # a quantized half comes back as its dequantized values, the float one as it was
     quantized = dict(params)
     _mlx_lm_split(quantized, group_size=32)
@@ -403,16 +375,10 @@ def test_sanitize_fuses_mlx_lm_split_kv_b(tiny: _Tiny) -> None:
 
 
 def _write_tokenizer(folder: Path) -> None:
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, pre_tokenizers
-
-    tok = HFTokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w1"}))
+    write_tokenizer(folder, VOCAB, {"eos_token": "w1"})
 
 
-def test_loader_loads_folder_and_skips_mtp_layers(tiny: _Tiny, tmp_path: Path) -> None:
+def test_loader_loads_folder_and_skips_mtp_layers(tiny: TinyModels, tmp_path: Path) -> None:
     hf, directory = tiny["deepseek_v3"]
     folder = tmp_path / "with-mtp"
     shutil.copytree(directory, folder)
@@ -422,12 +388,12 @@ def test_loader_loads_folder_and_skips_mtp_layers(tiny: _Tiny, tmp_path: Path) -
     loaded = load(folder)
     assert isinstance(loaded.model, Model) and len(loaded.model.model.layers) == LAYERS
     tokens = _tokens()
-    got = _run(loaded.model, tokens, loaded.model.make_caches())
+    got = forward(loaded.model, tokens, loaded.model.make_caches())
     np.testing.assert_allclose(got, torch_logits(hf, tokens), atol=ATOL, rtol=0)
     assert loaded.tokenizer.encode("w5 w9") == [5, 9]
 
 
-def test_loader_keeps_an_mlx_quantized_folder_quantized(tiny: _Tiny, tmp_path: Path) -> None:
+def test_loader_keeps_an_mlx_quantized_folder_quantized(tiny: TinyModels, tmp_path: Path) -> None:
     """HF names with MLX 4-bit triplets (experts per expert, kv_b_proj included): kept
     quantized, the model computes what the dequantized load computes."""
     _, directory = tiny["deepseek_v3"]
@@ -455,11 +421,11 @@ def test_loader_keeps_an_mlx_quantized_folder_quantized(tiny: _Tiny, tmp_path: P
     attn = kept.model.model.layers[1].self_attn
     assert isinstance(attn.kv_b_proj, QuantizedLinear)
     tokens = _tokens()
-    want = _run(floats.model, tokens, floats.model.make_caches())
+    want = forward(floats.model, tokens, floats.model.make_caches())
     np.testing.assert_allclose(
-        _run(kept.model, tokens, kept.model.make_caches()), want, atol=ATOL, rtol=0
+        forward(kept.model, tokens, kept.model.make_caches()), want, atol=ATOL, rtol=0
     )
-    np.testing.assert_allclose(_chunked(kept.model, tokens, [4, 1]), want, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(chunked(kept.model, tokens, [4, 1]), want, atol=ATOL, rtol=0)
 
 
 def test_registered() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,13 @@ from runtime.models.gated_delta import (
 )
 from runtime.models.qwen3_next import LINEAR_ATTENTION, sanitize_hybrid
 from runtime.prefix_cache import PrefixCache
+from tests.model_checks import (
+    TinyModels,
+    assert_matches_transformers,
+    chunked,
+    forward,
+    random_tokens,
+)
 from tests.tiny_hybrid import VARIANTS, VOCAB, make_tiny, write_tokenizer
 from tests.tiny_models import load_mlx, torch_logits
 
@@ -37,59 +43,26 @@ ATOL = 1e-4
 BIG = 10**9
 
 
-class _Tiny(dict[str, tuple[Any, Path]]):
-    """name -> (torch model, saved folder), each built on first use."""
-
-    def __init__(self, factory: pytest.TempPathFactory) -> None:
-        super().__init__()
-        self._factory = factory
-
-    def __missing__(self, name: str) -> tuple[Any, Path]:
-        directory = self._factory.mktemp(name)
-        self[name] = (make_tiny(name, directory), directory)
-        return self[name]
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> _Tiny:
-    return _Tiny(tmp_path_factory)
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    return TinyModels(tmp_path_factory, make_tiny)
 
 
 def _tokens(n: int = SEQ, seed: int = 1) -> np.ndarray[Any, Any]:
-    return np.random.default_rng(seed).integers(0, VOCAB, size=(1, n)).astype(np.int32)
-
-
-def _run(model: LanguageModel, tokens: np.ndarray[Any, Any], caches: Sequence[Any]) -> Any:
-    out = model(mx.array(tokens), caches)
-    mx.eval(out, *[a for c in caches for a in c.state])
-    return np.array(out)
-
-
-def _chunked(model: LanguageModel, tokens: np.ndarray[Any, Any], sizes: Sequence[int]) -> Any:
-    """Feed `tokens` in chunks of the given sizes (the last repeats); return all logits."""
-    caches = model.make_caches()
-    outs, start, i = [], 0, 0
-    while start < tokens.shape[1]:
-        size = sizes[min(i, len(sizes) - 1)]
-        outs.append(_run(model, tokens[:, start : start + size], caches))
-        start, i = start + size, i + 1
-    assert all(c.offset == tokens.shape[1] for c in caches)
-    return np.concatenate(outs, axis=1)
+    return random_tokens(VOCAB, n, seed)
 
 
 # -- against transformers ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_logits_match_transformers(name: str, tiny: _Tiny) -> None:
-    hf, directory = tiny[name]
-    tokens = _tokens()
-    model = load_mlx(directory)
-    ours = _run(model, tokens, model.make_caches())
-    np.testing.assert_allclose(ours, torch_logits(hf, tokens), atol=ATOL, rtol=0)
+def test_logits_match_transformers(name: str, tiny: TinyModels) -> None:
+    assert_matches_transformers(*tiny[name], _tokens(), ATOL)
 
 
-def test_hf_folder_loads_through_the_loader(tiny: _Tiny, caplog: pytest.LogCaptureFixture) -> None:
+def test_hf_folder_loads_through_the_loader(
+    tiny: TinyModels, caplog: pytest.LogCaptureFixture
+) -> None:
     hf, directory = tiny["qwen3_5_moe"]
     write_tokenizer(directory)
     with caplog.at_level(logging.INFO, logger="runtime.models.qwen3_5"):
@@ -97,7 +70,7 @@ def test_hf_folder_loads_through_the_loader(tiny: _Tiny, caplog: pytest.LogCaptu
     skipped = [r for r in caplog.records if "vision weights" in r.getMessage()]
     assert len(skipped) == 1  # one line for the whole vision tower
     tokens = _tokens(40)
-    got = _run(loaded.model, tokens, loaded.model.make_caches())
+    got = forward(loaded.model, tokens, loaded.model.make_caches())
     np.testing.assert_allclose(got, torch_logits(hf, tokens), atol=ATOL, rtol=0)
     assert loaded.context_length == 512  # from text_config
 
@@ -113,33 +86,33 @@ SCHEDULES = {
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe"])
-def test_any_chunk_schedule_matches_one_shot(name: str, schedule: str, tiny: _Tiny) -> None:
+def test_any_chunk_schedule_matches_one_shot(name: str, schedule: str, tiny: TinyModels) -> None:
     model = load_mlx(tiny[name][1])
     tokens = _tokens(SEQ + 40)
-    full = _run(model, tokens, model.make_caches())
-    got = _chunked(model, tokens, SCHEDULES[schedule])
+    full = forward(model, tokens, model.make_caches())
+    got = chunked(model, tokens, SCHEDULES[schedule])
     np.testing.assert_allclose(got, full, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
-def test_step_decode_matches_full_sequence(name: str, tiny: _Tiny) -> None:
+def test_step_decode_matches_full_sequence(name: str, tiny: TinyModels) -> None:
     model = load_mlx(tiny[name][1])
     tokens = _tokens(48)
-    full = _run(model, tokens, model.make_caches())
-    np.testing.assert_allclose(_chunked(model, tokens, [20, 1]), full, atol=ATOL, rtol=0)
-    np.testing.assert_allclose(_chunked(model, tokens, [1]), full, atol=ATOL, rtol=0)
+    full = forward(model, tokens, model.make_caches())
+    np.testing.assert_allclose(chunked(model, tokens, [20, 1]), full, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(chunked(model, tokens, [1]), full, atol=ATOL, rtol=0)
 
 
-def test_layer_chunk_size_does_not_change_the_result(tiny: _Tiny) -> None:
+def test_layer_chunk_size_does_not_change_the_result(tiny: TinyModels) -> None:
     model: Any = load_mlx(tiny["qwen3_5"][1])
     tokens = _tokens()
-    reference = _run(model, tokens, model.make_caches())
+    reference = forward(model, tokens, model.make_caches())
     mixers = [m for _, m in model.named_modules() if isinstance(m, GatedDeltaNet)]
     assert mixers
     for chunk in (1, 5, 16, 128):
         for mixer in mixers:
             mixer.chunk = chunk
-        got = _run(model, tokens, model.make_caches())
+        got = forward(model, tokens, model.make_caches())
         np.testing.assert_allclose(got, reference, atol=ATOL, rtol=0)
 
 
@@ -218,7 +191,7 @@ def test_unit_lower_inverse(n: int) -> None:
 # -- configs and checkpoints -----------------------------------------------------------------
 
 
-def test_config_readers(tiny: _Tiny) -> None:
+def test_config_readers(tiny: TinyModels) -> None:
     nxt: Any = load_mlx(tiny["qwen3_next"][1]).args
     assert nxt.layer_types == (LINEAR_ATTENTION, "full_attention") * 2
     assert nxt.sparse_layers == (True, False, True, True)  # mlp_only_layers=[1]
@@ -248,14 +221,14 @@ def test_config_readers(tiny: _Tiny) -> None:
     assert (real.head_dim, real.rotary_dim, real.linear.head_k_dim) == (256, 64, 128)
 
 
-def test_make_caches_follow_layer_types(tiny: _Tiny) -> None:
+def test_make_caches_follow_layer_types(tiny: TinyModels) -> None:
     model = load_mlx(tiny["qwen3_5_text"][1])
     kinds = [type(c) for c in model.make_caches()]
     assert kinds == [RecurrentCache, RecurrentCache, KVCache]
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe"])
-def test_converted_checkpoints_load_the_same(name: str, tiny: _Tiny) -> None:
+def test_converted_checkpoints_load_the_same(name: str, tiny: TinyModels) -> None:
     """mlx-lm's converted layout (conv as (C, K, 1), norms as 1 + weight, stacked experts;
     qwen3_next's projections still fused, qwen3_5's under ``language_model.``) loads to
     the same model; sanitize is idempotent (the loader runs it twice on quantized folders)."""
@@ -281,14 +254,14 @@ def test_converted_checkpoints_load_the_same(name: str, tiny: _Tiny) -> None:
     converted.load_weights(list(converted.sanitize(converted_weights).items()), strict=True)
     tokens = _tokens(30)
     np.testing.assert_allclose(
-        _run(converted, tokens, converted.make_caches()),
-        _run(model, tokens, model.make_caches()),
+        forward(converted, tokens, converted.make_caches()),
+        forward(model, tokens, model.make_caches()),
         atol=1e-6,
         rtol=0,
     )
 
 
-def test_linear_layer_rejects_an_attention_cache(tiny: _Tiny) -> None:
+def test_linear_layer_rejects_an_attention_cache(tiny: TinyModels) -> None:
     model = load_mlx(tiny["qwen3_5_text"][1])
     with pytest.raises(TypeError, match="RecurrentCache"):
         model(mx.array(_tokens(4)), [KVCache() for _ in range(3)])
@@ -306,13 +279,13 @@ def _serve(
     pos, outs = lease.reused, []
     for stop in [*lease.snapshot_points, len(prompt)]:
         if stop > pos:
-            outs.append(_run(model, np.array([prompt[pos:stop]], np.int32), lease.caches))
+            outs.append(forward(model, np.array([prompt[pos:stop]], np.int32), lease.caches))
             pos = stop
         if stop in lease.snapshot_points:
             pc.snapshot_at(lease, stop)
     generated = [int(outs[-1][0, -1].argmax())]
     while len(generated) < new:
-        step = _run(model, np.array([generated[-1:]], np.int32), lease.caches)
+        step = forward(model, np.array([generated[-1:]], np.int32), lease.caches)
         generated.append(int(step[0, -1].argmax()))
     held = lease.caches[0].offset
     pc.end(lease, [*prompt, *generated][:held])
@@ -321,10 +294,10 @@ def _serve(
 
 
 def _cold(model: LanguageModel, tokens: list[int]) -> Any:
-    return _run(model, np.array([tokens], np.int32), model.make_caches())
+    return forward(model, np.array([tokens], np.int32), model.make_caches())
 
 
-def test_second_turn_restores_from_a_snapshot(tiny: _Tiny) -> None:
+def test_second_turn_restores_from_a_snapshot(tiny: TinyModels) -> None:
     model = load_mlx(tiny["qwen3_5"][1])
     pc: PrefixCache[LayerCache] = PrefixCache(
         model.make_caches, budget_bytes=BIG, snapshot_interval=8, tail_keep=2
@@ -341,7 +314,7 @@ def test_second_turn_restores_from_a_snapshot(tiny: _Tiny) -> None:
     np.testing.assert_allclose(logits, _cold(model, second)[:, reused:], atol=ATOL, rtol=0)
 
 
-def test_restores_only_at_snapshot_offsets(tiny: _Tiny) -> None:
+def test_restores_only_at_snapshot_offsets(tiny: TinyModels) -> None:
     model = load_mlx(tiny["qwen3_next"][1])
     pc: PrefixCache[LayerCache] = PrefixCache(
         model.make_caches, budget_bytes=BIG, snapshot_interval=8, tail_keep=2
@@ -356,11 +329,11 @@ def test_restores_only_at_snapshot_offsets(tiny: _Tiny) -> None:
     np.testing.assert_allclose(logits, _cold(model, branch)[:, reused:], atol=ATOL, rtol=0)
 
 
-def test_recurrent_snapshot_restores_at_its_offset_only(tiny: _Tiny) -> None:
+def test_recurrent_snapshot_restores_at_its_offset_only(tiny: TinyModels) -> None:
     model = load_mlx(tiny["qwen3_5"][1])
     caches = model.make_caches()
     tokens = _tokens(24)
-    _run(model, tokens[:, :20], caches)
+    forward(model, tokens[:, :20], caches)
     snaps = [c.snapshot(0) for c in caches]
     recurrent = [
         (c, s) for c, s in zip(caches, snaps, strict=True) if isinstance(c, RecurrentCache)
@@ -376,8 +349,8 @@ def test_recurrent_snapshot_restores_at_its_offset_only(tiny: _Tiny) -> None:
     restored = model.make_caches()
     for cache, snap in zip(restored, snaps, strict=True):
         assert snap is not None and cache.restore(snap, 20)
-    got = _run(model, tokens[:, 20:], restored)
-    np.testing.assert_allclose(got, _run(model, tokens, model.make_caches())[:, 20:], atol=ATOL)
+    got = forward(model, tokens[:, 20:], restored)
+    np.testing.assert_allclose(got, forward(model, tokens, model.make_caches())[:, 20:], atol=ATOL)
 
 
 def _quantized_converted_folder(src: Path, model: LanguageModel, dst: Path) -> None:
@@ -408,7 +381,7 @@ def _quantized_converted_folder(src: Path, model: LanguageModel, dst: Path) -> N
     write_tokenizer(dst)
 
 
-def test_quantized_converted_folder_keeps_its_overrides(tiny: _Tiny, tmp_path: Path) -> None:
+def test_quantized_converted_folder_keeps_its_overrides(tiny: TinyModels, tmp_path: Path) -> None:
     """Per-module quantization overrides name the converted model's paths; sanitize drops
     their ``language_model.`` prefix, and the loader must still find them."""
     directory = tiny["qwen3_5_moe"][1]
@@ -418,8 +391,8 @@ def test_quantized_converted_folder_keeps_its_overrides(tiny: _Tiny, tmp_path: P
     assert kept.quantized and not dequantized.quantized
     tokens = _tokens(24)
     np.testing.assert_allclose(
-        _run(kept.model, tokens, kept.model.make_caches()),
-        _run(dequantized.model, tokens, dequantized.model.make_caches()),
+        forward(kept.model, tokens, kept.model.make_caches()),
+        forward(dequantized.model, tokens, dequantized.model.make_caches()),
         atol=1e-4,
         rtol=1e-4,
     )

@@ -19,10 +19,9 @@ pytest.importorskip("transformers")
 from mlx.nn.layers.quantized import quantize as quantize_modules
 from mlx.utils import tree_flatten
 
-from runtime.cache import Cache
 from runtime.engine import Engine
 from runtime.loader import load
-from runtime.models import LanguageModel, build_model, supported_model_types
+from runtime.models import build_model, supported_model_types
 from runtime.models.moe import (
     SORT_THRESHOLD,
     QuantizedSwitchLinear,
@@ -33,7 +32,15 @@ from runtime.models.moe import (
 )
 from runtime.runner import ModelRunner, RunnerSettings
 from runtime.types import Finished, GenerationRequest, SamplingParams, TextDelta
-from tests.tiny_models import load_mlx, torch_logits
+from tests.model_checks import (
+    TinyModels,
+    assert_chunked_prefill_then_decode,
+    assert_matches_transformers,
+    assert_step_decode_matches_full,
+    forward,
+    random_tokens,
+)
+from tests.tiny_models import load_mlx
 from tests.tiny_moe import MOE_HIDDEN, VARIANTS, VOCAB, make_tiny, torch_greedy
 
 SEQ = 40
@@ -41,96 +48,46 @@ ATOL = 1e-4
 CACHE_VARIANTS = ("qwen3_moe", "glm4_moe")
 
 
-class _Tiny(dict[str, tuple[Any, Path]]):
-    """name -> (torch model, saved folder), each built on first use."""
-
-    def __init__(self, factory: pytest.TempPathFactory) -> None:
-        super().__init__()
-        self._factory = factory
-
-    def __missing__(self, name: str) -> tuple[Any, Path]:
-        directory = self._factory.mktemp(name)
-        self[name] = (make_tiny(name, directory), directory)
-        return self[name]
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> _Tiny:
-    return _Tiny(tmp_path_factory)
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    return TinyModels(tmp_path_factory, make_tiny)
 
 
 def _tokens(n: int = SEQ, seed: int = 1, batch: int = 1) -> np.ndarray[Any, Any]:
-    return np.random.default_rng(seed).integers(0, VOCAB, size=(batch, n)).astype(np.int32)
-
-
-def _run(model: LanguageModel, tokens: np.ndarray[Any, Any], caches: Sequence[Cache]) -> Any:
-    out = model(mx.array(tokens), caches)
-    mx.eval(out, *[a for c in caches for a in c.state])
-    return np.array(out)
-
-
-def _chunked(
-    model: LanguageModel,
-    tokens: np.ndarray[Any, Any],
-    sizes: Sequence[int],
-    caches: Sequence[Cache],
-) -> Any:
-    """Feed `tokens` in chunks of the given sizes (the last repeats); return all logits."""
-    outs, start, i = [], 0, 0
-    while start < tokens.shape[1]:
-        size = sizes[min(i, len(sizes) - 1)]
-        outs.append(_run(model, tokens[:, start : start + size], caches))
-        start, i = start + size, i + 1
-    return np.concatenate(outs, axis=1)
+    return random_tokens(VOCAB, n, seed, batch)
 
 
 # -- architectures against transformers ----------------------------------------------------
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_logits_match_transformers(name: str, tiny: _Tiny) -> None:
-    hf, directory = tiny[name]
-    tokens = _tokens()
-    model = load_mlx(directory)
-    ours = _run(model, tokens, model.make_caches())
-    np.testing.assert_allclose(ours, torch_logits(hf, tokens), atol=ATOL, rtol=0)
+def test_logits_match_transformers(name: str, tiny: TinyModels) -> None:
+    assert_matches_transformers(*tiny[name], _tokens(), ATOL)
 
 
 @pytest.mark.parametrize("chunk", [7, 16])
 @pytest.mark.parametrize("name", CACHE_VARIANTS)
-def test_chunked_prefill_then_decode_matches_one_shot(name: str, chunk: int, tiny: _Tiny) -> None:
+def test_chunked_prefill_then_decode_matches_one_shot(
+    name: str, chunk: int, tiny: TinyModels
+) -> None:
     model = load_mlx(tiny[name][1])
-    tokens = _tokens(SEQ + 5)
-    prompt, follow = tokens[:, :SEQ], tokens[:, SEQ:]
-    one_shot = model.make_caches()
-    ref_last = _run(model, prompt, one_shot)[:, -1]
-    ref_decode = [_run(model, follow[:, i : i + 1], one_shot) for i in range(follow.shape[1])]
-
-    caches = model.make_caches()
-    last = _chunked(model, prompt, [chunk], caches)[:, -1]
-    np.testing.assert_allclose(last, ref_last, atol=ATOL, rtol=0)
-    for i, ref in enumerate(ref_decode):
-        np.testing.assert_allclose(_run(model, follow[:, i : i + 1], caches), ref, atol=ATOL)
-    assert all(c.offset == SEQ + 5 for c in caches)
+    assert_chunked_prefill_then_decode(model, _tokens(SEQ + 5), SEQ, chunk, ATOL)
 
 
 @pytest.mark.parametrize("name", CACHE_VARIANTS)
-def test_step_decode_matches_full_sequence(name: str, tiny: _Tiny) -> None:
+def test_step_decode_matches_full_sequence(name: str, tiny: TinyModels) -> None:
     model = load_mlx(tiny[name][1])
-    tokens = _tokens()
-    full = _run(model, tokens, model.make_caches())
-    steps = _chunked(model, tokens, [5, 1], model.make_caches())
-    np.testing.assert_allclose(steps, full, atol=ATOL, rtol=0)
+    assert_step_decode_matches_full(model, _tokens(), ATOL)
 
 
 @pytest.mark.parametrize("name", CACHE_VARIANTS)
-def test_batch_rows_route_independently(name: str, tiny: _Tiny) -> None:
+def test_batch_rows_route_independently(name: str, tiny: TinyModels) -> None:
     """A batched forward (one decode step of several sequences) routes each row alone."""
     model = load_mlx(tiny[name][1])
     tokens = _tokens(12, seed=4, batch=3)
-    together = _run(model, tokens, model.make_caches())
+    together = forward(model, tokens, model.make_caches())
     for row in range(3):
-        alone = _run(model, tokens[row : row + 1], model.make_caches())
+        alone = forward(model, tokens[row : row + 1], model.make_caches())
         np.testing.assert_allclose(together[row : row + 1], alone, atol=ATOL, rtol=0)
 
 
@@ -389,7 +346,7 @@ def _until_eos(tokens: list[int], eos: int = 2) -> list[int]:
 
 
 @pytest.mark.parametrize("name", CACHE_VARIANTS)
-def test_loader_serves_tiny_folder_like_transformers(name: str, tiny: _Tiny) -> None:
+def test_loader_serves_tiny_folder_like_transformers(name: str, tiny: TinyModels) -> None:
     hf, folder = tiny[name]
     prompt = _tokens(30, seed=7)[0].tolist()
     follow_up = prompt + _tokens(6, seed=8)[0].tolist()
@@ -423,7 +380,7 @@ def _quantize_experts_folder(src: Path, dst: Path) -> None:
         (dst / name).write_text((src / name).read_text())
 
 
-def test_mlx_quantized_moe_folder(tiny: _Tiny, tmp_path: Path) -> None:
+def test_mlx_quantized_moe_folder(tiny: TinyModels, tmp_path: Path) -> None:
     _, folder = tiny["glm4_moe"]
     _quantize_experts_folder(folder, tmp_path / "q")
     kept = load(tmp_path / "q", keep_quantized=True)

@@ -7,7 +7,8 @@ imports both at the top.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ import mlx.core as mx
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+
+from tests.tiny_models import Variant, randomize, save_tiny
 
 VOCAB = 1024
 HEADS = 4
@@ -65,9 +68,6 @@ def _deepseek(**extra: Any) -> Any:
     return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**_BASE, **extra}))
 
 
-_Rewrite = Callable[[dict[str, Any]], dict[str, Any]]
-
-
 def _old_rope_keys(config: dict[str, Any]) -> dict[str, Any]:
     """transformers-5 `rope_parameters` rewritten as DeepSeek's released config.json has
     them: top-level rope_theta and rope_scaling with "type"."""
@@ -79,7 +79,7 @@ def _old_rope_keys(config: dict[str, Any]) -> dict[str, Any]:
 
 
 # name -> (builder, config.json rewrite or None)
-VARIANTS: Mapping[str, tuple[Callable[[], Any], _Rewrite | None]] = {
+VARIANTS: Mapping[str, Variant] = {
     # q through the low-rank pair, interleaved YaRN rope, grouped routing
     "deepseek_v3": (lambda: _deepseek(rope_parameters=dict(_YARN)), None),
     # q_proj directly, plain rope in halves, biases, ungrouped routing, no renormalising,
@@ -101,24 +101,6 @@ VARIANTS: Mapping[str, tuple[Callable[[], Any], _Rewrite | None]] = {
     ),
     "deepseek_v3_old_rope_keys": (lambda: _deepseek(rope_parameters=dict(_YARN)), _old_rope_keys),
 }
-
-
-def _randomize(model: Any, seed: int) -> None:
-    """Spread weights and buffers so that any wrong formula shows in the logits.
-
-    Default initialisation leaves norms at 1 and the router's correction bias at 0, which
-    would hide mistakes in them; the bias gets the scale of the sigmoid scores it shifts.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(torch.rand(param.shape, generator=gen) + 0.5)
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.08)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
 
 
 def add_mtp_layer(directory: Path, num_layers: int = LAYERS) -> list[str]:
@@ -143,17 +125,7 @@ def add_mtp_layer(directory: Path, num_layers: int = LAYERS) -> list[str]:
 
 def make_tiny(name: str, directory: Path, seed: int = 0) -> Any:
     """Build the `name` variant, save it into `directory`; return the torch model (eval)."""
-    builder, rewrite = VARIANTS[name]
-    torch.manual_seed(seed)
-    model = builder()
-    _randomize(model, seed)
-    model.config._attn_implementation = "eager"
-    model.eval()
-    model.save_pretrained(directory)
-    if rewrite is not None:
-        path = directory / "config.json"
-        path.write_text(json.dumps(rewrite(json.loads(path.read_text())), indent=2))
-    return model
+    return save_tiny(VARIANTS[name], directory, seed, partial(randomize, bias_scale=0.05))
 
 
 def torch_state(model: Any) -> dict[str, mx.array]:

@@ -6,14 +6,16 @@ Import only after ``pytest.importorskip("torch")`` and ``("transformers")``.
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+
+from tests import tiny_models
+from tests.tiny_models import Variant, save_tiny
 
 HIDDEN = 64
 VOCAB = 1024
@@ -87,8 +89,7 @@ def _old_keys(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-_Rewrite = Callable[[dict[str, Any]], dict[str, Any]]
-VARIANTS: Mapping[str, tuple[Callable[[], Any], _Rewrite | None]] = {
+VARIANTS: Mapping[str, Variant] = {
     # a dense layer among the MoE ones (mlp_only_layers), attention mid-stack
     "qwen3_next": (lambda: _qwen3_next(mlp_only_layers=[1], full_attention_interval=2), None),
     "qwen3_next_old_keys": (lambda: _qwen3_next(full_attention_interval=2), _old_keys),
@@ -126,26 +127,9 @@ def _randomize(model: Any, seed: int) -> None:
 
 def make_tiny(name: str, directory: Path, seed: int = 0) -> Any:
     """Build the `name` variant, save it into `directory`; return the torch model (eval)."""
-    builder, rewrite = VARIANTS[name]
-    torch.manual_seed(seed)
-    model = builder()
-    _randomize(model, seed)
-    model.config._attn_implementation = "eager"
-    model.eval()
-    model.save_pretrained(directory)
-    if rewrite is not None:
-        path = directory / "config.json"
-        path.write_text(json.dumps(rewrite(json.loads(path.read_text())), indent=2))
-    return model
+    return save_tiny(VARIANTS[name], directory, seed, _randomize)
 
 
 def write_tokenizer(folder: Path, vocab: int = VOCAB) -> None:
     """A word-level tokenizer ("w0".."w<vocab-1>"), so runtime.loader can load the folder."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, pre_tokenizers
-
-    tok = HFTokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"eos_token": "w2", "bos_token": "w1"}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tiny_models.write_tokenizer(folder, vocab)

@@ -94,7 +94,8 @@ _LLAMA3_ROPE = {
 }
 
 # name -> (builder, config.json rewrite or None)
-_Rewrite = Callable[[dict[str, Any]], dict[str, Any]]
+Rewrite = Callable[[dict[str, Any]], dict[str, Any]]
+Variant = tuple[Callable[[], Any], Rewrite | None]  # builder, config rewrite after saving
 
 
 def _old_rope_keys(config: dict[str, Any]) -> dict[str, Any]:
@@ -111,7 +112,7 @@ def _old_rope_keys(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-VARIANTS: Mapping[str, tuple[Callable[[], Any], _Rewrite | None]] = {
+VARIANTS: Mapping[str, Variant] = {
     "llama": (lambda: _llama(head_dim=32), None),
     "llama_bias_tied": (
         lambda: _llama(attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
@@ -166,11 +167,12 @@ VARIANTS: Mapping[str, tuple[Callable[[], Any], _Rewrite | None]] = {
 }
 
 
-def _randomize(model: Any, seed: int) -> None:
+def randomize(model: Any, seed: int, bias_scale: float | None = None) -> None:
     """Spread the weights so that any wrong formula shows in the logits.
 
     Default initialisation leaves norms at exactly 1 (or 0 for gemma's 1 + w) and
-    biases at 0, which would hide mistakes in them.
+    biases at 0, which would hide mistakes in them. With `bias_scale`, the routers'
+    score-correction bias buffers (DeepSeek-style MoE) get noise of that scale too.
     """
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -179,14 +181,24 @@ def _randomize(model: Any, seed: int) -> None:
                 param.copy_(torch.rand(param.shape, generator=gen) + 0.5)
             else:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.08)
+        if bias_scale is not None:
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.copy_(torch.randn(buffer.shape, generator=gen) * bias_scale)
 
 
-def make_tiny(name: str, directory: Path, seed: int = 0) -> Any:
-    """Build the `name` variant, save it into `directory`; return the torch model (eval)."""
-    builder, rewrite = VARIANTS[name]
+def save_tiny(
+    variant: Variant,
+    directory: Path,
+    seed: int = 0,
+    spread: Callable[[Any, int], None] = randomize,
+) -> Any:
+    """Build a `(builder, config rewrite)` variant with `spread` weights, save it into
+    `directory` (config rewritten after saving); return the torch model (eval, eager)."""
+    builder, rewrite = variant
     torch.manual_seed(seed)
     model = builder()
-    _randomize(model, seed)
+    spread(model, seed)
     model.config._attn_implementation = "eager"
     model.eval()
     model.save_pretrained(directory)
@@ -194,6 +206,25 @@ def make_tiny(name: str, directory: Path, seed: int = 0) -> Any:
         path = directory / "config.json"
         path.write_text(json.dumps(rewrite(json.loads(path.read_text())), indent=2))
     return model
+
+
+def write_tokenizer(folder: Path, vocab: int, config: Mapping[str, str] | None = None) -> None:
+    """A word-level tokenizer ("w<i>" is token i), so runtime.loader can load the folder;
+    `config` is its tokenizer_config.json (default: w1 begins, w2 ends a generation)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    tok = HFTokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    if config is None:
+        config = {"eos_token": "w2", "bos_token": "w1"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config)))
+
+
+def make_tiny(name: str, directory: Path, seed: int = 0) -> Any:
+    """Build the `name` variant, save it into `directory`; return the torch model (eval)."""
+    return save_tiny(VARIANTS[name], directory, seed)
 
 
 def load_mlx(directory: Path) -> LanguageModel:

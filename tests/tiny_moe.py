@@ -6,8 +6,8 @@ imports both at the top.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,9 @@ import mlx.core as mx
 import numpy as np
 import torch
 import transformers
+
+from tests import tiny_models
+from tests.tiny_models import Variant, randomize, save_tiny
 
 HIDDEN = 64
 VOCAB = 1024
@@ -65,10 +68,8 @@ def _old_glm_keys(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-_Rewrite = Callable[[dict[str, Any]], dict[str, Any]]
-
 # name -> (builder, config.json rewrite or None)
-VARIANTS: Mapping[str, tuple[Callable[[], Any], _Rewrite | None]] = {
+VARIANTS: Mapping[str, Variant] = {
     # layer 1 dense (mlp_only_layers), plain top-k weights
     "qwen3_moe": (lambda: _qwen3_moe(mlp_only_layers=[1]), None),
     # every second layer sparse, renormalised top-3, tied embeddings, attention bias
@@ -109,21 +110,6 @@ VARIANTS: Mapping[str, tuple[Callable[[], Any], _Rewrite | None]] = {
 }
 
 
-def _randomize(model: Any, seed: int) -> None:
-    """Spread the weights (norms around 1, the routing bias included) so that any wrong
-    formula shows in the logits; transformers' init leaves norms at 1 and biases at 0."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(torch.rand(param.shape, generator=gen) + 0.5)
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.08)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.1)
-
-
 def _add_mtp_layer(directory: Path, num_layers: int) -> None:
     """What GLM checkpoints carry after the decoder: a multi-token-prediction layer."""
     path = directory / "model.safetensors"
@@ -138,29 +124,14 @@ def _add_mtp_layer(directory: Path, num_layers: int) -> None:
 
 def write_tokenizer(folder: Path, vocab: int = VOCAB) -> None:
     """A word-level tokenizer: "w<i>" is token i; w2 ends a generation."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, pre_tokenizers
-
-    tok = HFTokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(folder / "tokenizer.json"))
     config = {"eos_token": "w2", "bos_token": "w1", "chat_template": "{{ x }}"}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tiny_models.write_tokenizer(folder, vocab, config)
 
 
 def make_tiny(name: str, directory: Path, seed: int = 0) -> Any:
     """Build the `name` variant, save it (and a tokenizer) into `directory`; return the
     torch model (eval, eager attention)."""
-    builder, rewrite = VARIANTS[name]
-    torch.manual_seed(seed)
-    model = builder()
-    _randomize(model, seed)
-    model.config._attn_implementation = "eager"
-    model.eval()
-    model.save_pretrained(directory)
-    if rewrite is not None:
-        path = directory / "config.json"
-        path.write_text(json.dumps(rewrite(json.loads(path.read_text())), indent=2))
+    model = save_tiny(VARIANTS[name], directory, seed, partial(randomize, bias_scale=0.1))
     if name.startswith("glm4_moe"):
         _add_mtp_layer(directory, model.config.num_hidden_layers)
     write_tokenizer(directory)

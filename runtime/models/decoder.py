@@ -6,15 +6,15 @@ so their files hold a ModelArgs with their defaults and reuse this model.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.embedding import Embedding
 
-from runtime.cache import Cache
 from runtime.models.base import (
     FULL_ATTENTION,
     MLP,
@@ -28,14 +28,38 @@ from runtime.models.base import (
 from runtime.models.rope import RoPE, RopeSpec, parse_rope
 
 _T = TypeVar("_T", bound="DecoderArgs")
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def decoder_weights(weights: Mapping[str, mx.array], num_layers: int) -> dict[str, mx.array]:
+    """The checkpoint tensors that are parameters of a `num_layers` decoder: rotary
+    inv_freq buffers dropped, and the layers from `num_layers` on (the multi-token
+    prediction layers GLM and DeepSeek checkpoints carry after the decoder)."""
+    kept: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        layer = _LAYER_INDEX.match(name)
+        if "rotary_emb.inv_freq" in name or (
+            layer is not None and int(layer.group(1)) >= num_layers
+        ):
+            continue
+        kept[name] = value
+    return kept
+
+
+def given_layer_types(config: Mapping[str, Any], num_layers: int) -> tuple[str, ...] | None:
+    """The config's own `layer_types`, checked against the layer count; None if absent."""
+    given = config.get("layer_types")
+    if not given:
+        return None
+    if len(given) != num_layers:
+        raise ValueError(f"layer_types has {len(given)} entries for {num_layers} layers")
+    return tuple(str(t) for t in given)
 
 
 def _layer_types(config: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
-    given = config.get("layer_types")
-    if given:
-        if len(given) != num_layers:
-            raise ValueError(f"layer_types has {len(given)} entries for {num_layers} layers")
-        return tuple(str(t) for t in given)
+    given = given_layer_types(config, num_layers)
+    if given is not None:
+        return given
     if config.get("use_sliding_window") and config.get("sliding_window"):
         # qwen2/qwen3 convention: layers from max_window_layers on use the window
         first = config_int(config, "max_window_layers", num_layers)
@@ -44,7 +68,10 @@ def _layer_types(config: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class DecoderArgs:
+class DecoderShape:
+    """What the arguments of every decoder built from LayerStack hold: sizes, norms,
+    activation, rope and each layer's kind. Each architecture's arguments extend it."""
+
     model_type: str
     hidden_size: int
     intermediate_size: int
@@ -57,12 +84,16 @@ class DecoderArgs:
     rms_norm_eps: float
     tie_word_embeddings: bool
     hidden_act: str
+    rope: RopeSpec
+    layer_types: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DecoderArgs(DecoderShape):
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    rope: RopeSpec
-    layer_types: tuple[str, ...]
     sliding_window: int | None
 
     @classmethod
@@ -107,52 +138,118 @@ class DecoderArgs:
         )
 
 
-class DecoderLayer(Module):
+class StackArgs(Protocol):
+    """What LayerStack reads from an architecture's arguments."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def rms_norm_eps(self) -> float: ...
+
+
+class AttentionArgs(StackArgs, Protocol):
+    """What make_attention reads from an architecture's arguments."""
+
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+def make_attention(
+    args: AttentionArgs,
+    rope: RoPE,
+    *,
+    qkv_bias: bool,
+    o_bias: bool,
+    qk_norm: str | None,
+    window: int | None = None,
+    scale: float | None = None,
+) -> Attention:
+    """A layer's attention sized by `args` (q/k norms, if any, with its rms_norm_eps)."""
+    return Attention(
+        args.hidden_size,
+        args.num_attention_heads,
+        args.num_key_value_heads,
+        args.head_dim,
+        rope,
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        qk_norm=qk_norm,
+        norm_eps=args.rms_norm_eps,
+        scale=scale,
+        window=window,
+    )
+
+
+class PreNormBlock(Module):
+    """The residual wiring of a llama-style layer: x + attention(norm(x)), then
+    h + mlp(norm(h)). Subclasses set `self_attn` and `mlp`, then call `add_norms`."""
+
+    self_attn: Any
+    mlp: Any
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def add_norms(self, dims: int, eps: float) -> None:
+        self.input_layernorm = RMSNorm(dims, eps)
+        self.post_attention_layernorm = RMSNorm(dims, eps)
+
+    def __call__(self, x: mx.array, cache: Any) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
+        out: mx.array = h + self.mlp(self.post_attention_layernorm(h))
+        return out
+
+
+class DecoderLayer(PreNormBlock):
     def __init__(self, args: DecoderArgs, rope: RoPE, layer_type: str) -> None:
         super().__init__()
         sliding = layer_type == SLIDING_ATTENTION
-        self.self_attn = Attention(
-            args.hidden_size,
-            args.num_attention_heads,
-            args.num_key_value_heads,
-            args.head_dim,
+        self.self_attn = make_attention(
+            args,
             rope,
             qkv_bias=args.qkv_bias,
             o_bias=args.o_bias,
             qk_norm="rms" if args.qk_norm else None,
-            norm_eps=args.rms_norm_eps,
             window=args.sliding_window if sliding else None,
         )
         self.mlp = MLP(args.hidden_size, args.intermediate_size, args.hidden_act, args.mlp_bias)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def __call__(self, x: mx.array, cache: Cache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self.add_norms(args.hidden_size, args.rms_norm_eps)
 
 
-class DecoderBody(Module):
-    """The `model.` part of the checkpoint: embeddings, layers, final norm."""
+class LayerStack(Module):
+    """The `model.` part of a checkpoint: embeddings, `args.num_layers` layers made by
+    `make_layer(index)`, final norm. Each layer is called as `layer(h, cache)`."""
 
-    def __init__(self, args: DecoderArgs) -> None:
+    def __init__(self, args: StackArgs, make_layer: Callable[[int], Module]) -> None:
         super().__init__()
-        rope = RoPE(args.rope, args.head_dim)
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, rope, kind) for kind in args.layer_types]
+        self.layers = [make_layer(i) for i in range(args.num_layers)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, tokens: mx.array, caches: Sequence[Cache]) -> mx.array:
+    def __call__(self, tokens: mx.array, caches: Sequence[Any]) -> mx.array:
         h = self.embed_tokens(tokens)
         for layer, cache in zip(self.layers, caches, strict=True):
             h = layer(h, cache)
-        return self.norm(h)
+        out: mx.array = self.norm(h)
+        return out
 
 
 class DecoderModel(CausalLM):
     def __init__(self, args: DecoderArgs) -> None:
-        super().__init__(args, DecoderBody(args))
+        rope = RoPE(args.rope, args.head_dim)
+        super().__init__(
+            args, LayerStack(args, lambda i: DecoderLayer(args, rope, args.layer_types[i]))
+        )
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """HF checkpoint names -> parameter names (they match; drop what is not a parameter)."""
-        return self._drop_tied_head({k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k})
+        return self._drop_tied_head(
+            {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        )

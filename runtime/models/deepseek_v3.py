@@ -13,23 +13,19 @@ Checkpoints may carry multi-token-prediction layers after the last decoder layer
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx.nn.layers.base import Module
-from mlx.nn.layers.embedding import Embedding
 
 from runtime.cache import Cache
 from runtime.cache.latent import LatentCache
-from runtime.models.base import MLP, CausalLM, RMSNorm, config_float, config_int
+from runtime.models.base import MLP, CausalLM, config_float, config_int
+from runtime.models.decoder import LayerStack, PreNormBlock, decoder_weights
 from runtime.models.mla import MLAConfig, MultiLatentAttention, fuse_absorbed_weights, make_rope
 from runtime.models.moe import SIGMOID, Routing, SparseMoE, stack_experts
 from runtime.models.rope import RoPE
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -115,7 +111,7 @@ class ModelArgs:
         )
 
 
-class DecoderLayer(Module):
+class DecoderLayer(PreNormBlock):
     def __init__(self, args: ModelArgs, rope: RoPE, index: int) -> None:
         super().__init__()
         dims = args.hidden_size
@@ -133,36 +129,15 @@ class DecoderLayer(Module):
             )
         else:
             self.mlp = MLP(dims, args.intermediate_size, args.hidden_act)
-        self.input_layernorm = RMSNorm(dims, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(dims, args.rms_norm_eps)
-
-    def __call__(self, x: mx.array, cache: LatentCache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class DeepseekV3Body(Module):
-    """The `model.` part of the checkpoint: embeddings, layers, final norm."""
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        rope = make_rope(args.mla)
-        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, rope, i) for i in range(args.num_layers)]
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def __call__(self, tokens: mx.array, caches: Sequence[LatentCache]) -> mx.array:
-        h = self.embed_tokens(tokens)
-        for layer, cache in zip(self.layers, caches, strict=True):
-            h = layer(h, cache)
-        return self.norm(h)
+        self.add_norms(dims, args.rms_norm_eps)
 
 
 class Model(CausalLM):
     args: ModelArgs
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__(args, DeepseekV3Body(args))
+        rope = make_rope(args.mla)
+        super().__init__(args, LayerStack(args, lambda i: DecoderLayer(args, rope, i)))
 
     def make_caches(self) -> list[Cache]:
         """One latent cache per layer: every layer is MLA over the whole context."""
@@ -171,13 +146,5 @@ class Model(CausalLM):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """HF names -> parameter names: MTP layers dropped, experts stacked (per-expert,
         fused or already stacked layouts all load), mlx-lm's split kv_b_proj re-fused."""
-        kept: dict[str, mx.array] = {}
-        for name, value in weights.items():
-            layer = _LAYER.match(name)
-            if "rotary_emb.inv_freq" in name or (
-                layer is not None and int(layer.group(1)) >= self.args.num_layers
-            ):
-                continue
-            kept[name] = value
-        kept = fuse_absorbed_weights(kept, self.args.mla)
+        kept = fuse_absorbed_weights(decoder_weights(weights, self.args.num_layers), self.args.mla)
         return self._drop_tied_head(stack_experts(kept, self.args.n_routed_experts))

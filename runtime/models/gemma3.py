@@ -23,13 +23,13 @@ from runtime.models.base import (
     FULL_ATTENTION,
     MLP,
     SLIDING_ATTENTION,
-    Attention,
     CausalLM,
     RMSNorm,
     config_float,
     config_int,
     optional_float,
 )
+from runtime.models.decoder import make_attention
 from runtime.models.rope import RoPE, RopeSpec, parse_rope
 
 # Prefixes of multimodal checkpoints: the text model's, then the vision parts we drop.
@@ -141,16 +141,12 @@ class DecoderLayer(Module):
         super().__init__()
         sliding = layer_type == SLIDING_ATTENTION
         dims, eps = args.hidden_size, args.rms_norm_eps
-        self.self_attn = Attention(
-            dims,
-            args.num_attention_heads,
-            args.num_key_value_heads,
-            args.head_dim,
+        self.self_attn = make_attention(
+            args,
             rope,
             qkv_bias=args.attention_bias,
             o_bias=args.attention_bias,
             qk_norm="gemma",
-            norm_eps=eps,
             scale=args.query_pre_attn_scalar**-0.5,
             window=args.sliding_window if sliding else None,
         )

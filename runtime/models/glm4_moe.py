@@ -10,29 +10,28 @@ speculative decoding and are dropped on load.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx.nn.layers.base import Module
-from mlx.nn.layers.embedding import Embedding
 
-from runtime.cache import Cache
 from runtime.models.base import (
     FULL_ATTENTION,
     MLP,
-    Attention,
     CausalLM,
-    RMSNorm,
     config_float,
     config_int,
 )
+from runtime.models.decoder import (
+    DecoderShape,
+    LayerStack,
+    PreNormBlock,
+    decoder_weights,
+    make_attention,
+)
 from runtime.models.moe import SIGMOID, Routing, SparseMoE, stack_experts
-from runtime.models.rope import RoPE, RopeSpec, parse_rope
-
-_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+from runtime.models.rope import RoPE, parse_rope
 
 
 def _partial_rotary_factor(config: Mapping[str, Any]) -> float:
@@ -44,21 +43,9 @@ def _partial_rotary_factor(config: Mapping[str, Any]) -> float:
 
 
 @dataclass(frozen=True)
-class ModelArgs:
-    model_type: str
-    hidden_size: int
-    intermediate_size: int
+class ModelArgs(DecoderShape):
     moe_intermediate_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
     rotary_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    hidden_act: str
     attention_bias: bool
     use_qk_norm: bool
     n_routed_experts: int
@@ -66,8 +53,6 @@ class ModelArgs:
     num_experts_per_tok: int
     first_k_dense_replace: int
     routing: Routing
-    rope: RopeSpec
-    layer_types: tuple[str, ...]
     sliding_window: int | None = None
 
     @classmethod
@@ -111,20 +96,16 @@ class ModelArgs:
         )
 
 
-class DecoderLayer(Module):
+class DecoderLayer(PreNormBlock):
     def __init__(self, args: ModelArgs, rope: RoPE, index: int) -> None:
         super().__init__()
         dims = args.hidden_size
-        self.self_attn = Attention(
-            dims,
-            args.num_attention_heads,
-            args.num_key_value_heads,
-            args.head_dim,
+        self.self_attn = make_attention(
+            args,
             rope,
             qkv_bias=args.attention_bias,
             o_bias=False,
             qk_norm="rms" if args.use_qk_norm else None,
-            norm_eps=args.rms_norm_eps,
         )
         self.mlp: MLP | SparseMoE
         if index >= args.first_k_dense_replace:
@@ -138,45 +119,18 @@ class DecoderLayer(Module):
             )
         else:
             self.mlp = MLP(dims, args.intermediate_size, args.hidden_act)
-        self.input_layernorm = RMSNorm(dims, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(dims, args.rms_norm_eps)
-
-    def __call__(self, x: mx.array, cache: Cache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Glm4MoeBody(Module):
-    """The `model.` part of the checkpoint: embeddings, layers, final norm."""
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        # mx.fast.rope rotates the first rotary_dim features of each head, rest unchanged
-        rope = RoPE(args.rope, args.rotary_dim)
-        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, rope, i) for i in range(args.num_layers)]
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def __call__(self, tokens: mx.array, caches: Sequence[Cache]) -> mx.array:
-        h = self.embed_tokens(tokens)
-        for layer, cache in zip(self.layers, caches, strict=True):
-            h = layer(h, cache)
-        return self.norm(h)
+        self.add_norms(dims, args.rms_norm_eps)
 
 
 class Model(CausalLM):
     args: ModelArgs
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__(args, Glm4MoeBody(args))
+        # mx.fast.rope rotates the first rotary_dim features of each head, rest unchanged
+        rope = RoPE(args.rope, args.rotary_dim)
+        super().__init__(args, LayerStack(args, lambda i: DecoderLayer(args, rope, i)))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop the MTP layers, stack per-expert (or fused) weights into `switch_mlp`."""
-        kept: dict[str, mx.array] = {}
-        for name, value in weights.items():
-            layer = _LAYER_INDEX.match(name)
-            if layer is not None and int(layer.group(1)) >= self.args.num_layers:
-                continue
-            if "rotary_emb.inv_freq" not in name:
-                kept[name] = value
+        kept = decoder_weights(weights, self.args.num_layers)
         return self._drop_tied_head(stack_experts(kept, self.args.n_routed_experts))

@@ -9,27 +9,29 @@ as transformers does.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx.nn.layers.base import Module
-from mlx.nn.layers.embedding import Embedding
 
-from runtime.cache import Cache
 from runtime.models.base import (
     FULL_ATTENTION,
     MLP,
     SLIDING_ATTENTION,
-    Attention,
     CausalLM,
-    RMSNorm,
     config_float,
     config_int,
 )
+from runtime.models.decoder import (
+    DecoderShape,
+    LayerStack,
+    PreNormBlock,
+    given_layer_types,
+    make_attention,
+)
 from runtime.models.moe import Routing, SparseMoE, stack_experts
-from runtime.models.rope import RoPE, RopeSpec, parse_rope
+from runtime.models.rope import RoPE, parse_rope
 
 
 def _num_experts(config: Mapping[str, Any]) -> int:
@@ -41,37 +43,21 @@ def _num_experts(config: Mapping[str, Any]) -> int:
 
 
 def _layer_types(config: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
-    given = config.get("layer_types")
-    if given:
-        if len(given) != num_layers:
-            raise ValueError(f"layer_types has {len(given)} entries for {num_layers} layers")
-        return tuple(str(t) for t in given)
+    given = given_layer_types(config, num_layers)
+    if given is not None:
+        return given
     sliding = config.get("use_sliding_window") and config.get("sliding_window")
     return (SLIDING_ATTENTION if sliding else FULL_ATTENTION,) * num_layers
 
 
 @dataclass(frozen=True)
-class ModelArgs:
-    model_type: str
-    hidden_size: int
-    intermediate_size: int
+class ModelArgs(DecoderShape):
     moe_intermediate_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    hidden_act: str
     attention_bias: bool
     num_experts: int
     num_experts_per_tok: int
     norm_topk_prob: bool
     sparse_layers: tuple[bool, ...]
-    rope: RopeSpec
-    layer_types: tuple[str, ...]
     sliding_window: int | None
 
     @classmethod
@@ -112,21 +98,17 @@ class ModelArgs:
         )
 
 
-class DecoderLayer(Module):
+class DecoderLayer(PreNormBlock):
     def __init__(self, args: ModelArgs, rope: RoPE, index: int) -> None:
         super().__init__()
         dims = args.hidden_size
         sliding = args.layer_types[index] == SLIDING_ATTENTION
-        self.self_attn = Attention(
-            dims,
-            args.num_attention_heads,
-            args.num_key_value_heads,
-            args.head_dim,
+        self.self_attn = make_attention(
+            args,
             rope,
             qkv_bias=args.attention_bias,
             o_bias=args.attention_bias,
             qk_norm="rms",
-            norm_eps=args.rms_norm_eps,
             window=args.sliding_window if sliding else None,
         )
         self.mlp: MLP | SparseMoE
@@ -137,36 +119,15 @@ class DecoderLayer(Module):
             )
         else:
             self.mlp = MLP(dims, args.intermediate_size, args.hidden_act)
-        self.input_layernorm = RMSNorm(dims, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(dims, args.rms_norm_eps)
-
-    def __call__(self, x: mx.array, cache: Cache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Qwen3MoeBody(Module):
-    """The `model.` part of the checkpoint: embeddings, layers, final norm."""
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        rope = RoPE(args.rope, args.head_dim)
-        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, rope, i) for i in range(args.num_layers)]
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def __call__(self, tokens: mx.array, caches: Sequence[Cache]) -> mx.array:
-        h = self.embed_tokens(tokens)
-        for layer, cache in zip(self.layers, caches, strict=True):
-            h = layer(h, cache)
-        return self.norm(h)
+        self.add_norms(dims, args.rms_norm_eps)
 
 
 class Model(CausalLM):
     args: ModelArgs
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__(args, Qwen3MoeBody(args))
+        rope = RoPE(args.rope, args.head_dim)
+        super().__init__(args, LayerStack(args, lambda i: DecoderLayer(args, rope, i)))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """HF per-expert or fused expert weights -> stacked `switch_mlp` (mlx-community

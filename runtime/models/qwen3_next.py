@@ -26,7 +26,6 @@ from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
-from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.linear import Linear
 
 from runtime.cache import Cache, KVCache, LayerCache, RecurrentCache
@@ -39,9 +38,10 @@ from runtime.models.base import (
     config_float,
     config_int,
 )
+from runtime.models.decoder import DecoderShape, LayerStack, given_layer_types
 from runtime.models.gated_delta import DeltaNetDims, GatedDeltaNet
 from runtime.models.moe import Routing, SparseMoE, stack_experts
-from runtime.models.rope import RoPE, RopeSpec, parse_rope
+from runtime.models.rope import RoPE, parse_rope
 
 LINEAR_ATTENTION = "linear_attention"
 _LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
@@ -57,14 +57,12 @@ _T = TypeVar("_T", bound="ModelArgs")
 
 
 def layer_types(config: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
-    given = config.get("layer_types")
-    if given:
-        if len(given) != num_layers:
-            raise ValueError(f"layer_types has {len(given)} entries for {num_layers} layers")
+    given = given_layer_types(config, num_layers)
+    if given is not None:
         unknown = set(given) - set(_LAYER_TYPES)
         if unknown:
             raise ValueError(f"unsupported layer types {sorted(unknown)}")
-        return tuple(str(t) for t in given)
+        return given
     interval = config_int(config, "full_attention_interval", 4)
     return tuple(
         LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers)
@@ -91,27 +89,13 @@ def _delta_dims(config: Mapping[str, Any], hidden: int) -> DeltaNetDims:
 
 
 @dataclass(frozen=True)
-class ModelArgs:
+class ModelArgs(DecoderShape):
     """Attention and delta-net defaults are transformers' (Qwen3NextConfig and
     Qwen3_5TextConfig agree on them); expert counts and sizes must be given (no
     num_experts: dense)."""
 
-    model_type: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    hidden_act: str
     attention_bias: bool
-    rope: RopeSpec
     rotary_dim: int
-    layer_types: tuple[str, ...]
     linear: DeltaNetDims
     num_experts: int
     num_experts_per_tok: int
@@ -250,22 +234,6 @@ class HybridLayer(Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class HybridBody(Module):
-    """The `model.` part of the checkpoint: embeddings, layers, final norm."""
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [HybridLayer(args, i) for i in range(args.num_layers)]
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def __call__(self, tokens: mx.array, caches: Sequence[LayerCache]) -> mx.array:
-        h = self.embed_tokens(tokens)
-        for layer, cache in zip(self.layers, caches, strict=True):
-            h = layer(h, cache)
-        return self.norm(h)
-
-
 # -- checkpoints ---------------------------------------------------------------------------
 
 
@@ -334,7 +302,7 @@ class Model(CausalLM):
     args: ModelArgs
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__(args, HybridBody(args))
+        super().__init__(args, LayerStack(args, lambda i: HybridLayer(args, i)))
 
     def make_caches(self) -> list[Cache]:
         """RecurrentCache for delta-net layers, KVCache for attention layers.
