@@ -26,6 +26,14 @@ class CausalLM(Protocol):
     def logits(self, hidden: mx.array) -> mx.array: ...
 
 
+class TokenConstraint(Protocol):
+    """A grammar's state (runtime.constraints.TokenMatcher): the mask of the tokens it
+    allows next, and the sampled token fed back."""
+
+    def mask(self) -> mx.array: ...
+    def advance(self, token: int) -> None: ...
+
+
 @dataclass(frozen=True)
 class SampledToken:
     token_id: int
@@ -99,9 +107,12 @@ def _read(result: SampleResult) -> SampledToken:
     return SampledToken(token, float(result.logprob.item()), top)  # type: ignore[arg-type]
 
 
+def _logits(model: CausalLM, caches: list[Any], inputs: mx.array) -> mx.array:
+    return model.logits(model.forward(inputs, caches)[:, -1, :])
+
+
 def _next(model: CausalLM, caches: list[Any], inputs: mx.array, sampler: Sampler) -> SampleResult:
-    hidden = model.forward(inputs, caches)
-    return sampler.sample(model.logits(hidden[:, -1, :]))
+    return sampler.sample(_logits(model, caches, inputs))
 
 
 def generate_tokens(
@@ -116,11 +127,13 @@ def generate_tokens(
     offset: int = 0,
     pauses: Sequence[int] = (),
     on_pause: Callable[[int], None] = lambda _: None,
+    constraint: TokenConstraint | None = None,
 ) -> Generator[SampledToken, None, None]:
     """Yield up to max_tokens sampled tokens; the consumer stops early by closing.
 
     `prompt` is what the caches do not hold yet (they hold `offset` tokens); `pauses`
-    and `on_pause` are passed to `prefill`. Runs on the caller's default stream.
+    and `on_pause` are passed to `prefill`; every token keeps to `constraint`, if given.
+    Runs on the caller's default stream.
     """
     if max_tokens <= 0:
         return
@@ -130,6 +143,9 @@ def generate_tokens(
     )
     if cancelled():
         raise Cancelled
+    if constraint is not None:
+        yield from _constrained(model, caches, rest, sampler, constraint, max_tokens, cancelled)
+        return
     current = _next(model, caches, mx.array(rest, dtype=mx.int32)[None], sampler)
     mx.async_eval(_sample_arrays(current))
     for produced in range(1, max_tokens + 1):
@@ -145,5 +161,40 @@ def generate_tokens(
         if cancelled():
             raise Cancelled
         current = pending
+        if produced % 256 == 0:
+            mx.clear_cache()
+
+
+def _constrained(
+    model: CausalLM,
+    caches: list[Any],
+    rest: list[int],
+    sampler: Sampler,
+    constraint: TokenConstraint,
+    max_tokens: int,
+    cancelled: Callable[[], bool],
+) -> Generator[SampledToken, None, None]:
+    """The decode loop under a grammar. Step k+1's mask needs token k on the host, so
+    only the forward is queued ahead: the device computes step k+1's logits while the
+    host reads token k, streams it and advances the grammar; then k+1 is sampled under
+    its mask and step k+2's forward queued behind it."""
+    logits = _logits(model, caches, mx.array(rest, dtype=mx.int32)[None])
+    mx.async_eval(logits)
+    current = sampler.sample(logits, constraint.mask())
+    mx.async_eval(_sample_arrays(current))
+    for produced in range(1, max_tokens + 1):
+        pending = None
+        if produced < max_tokens:
+            pending = _logits(model, caches, current.token.reshape(1, 1))
+            mx.async_eval(pending)
+        sampled = _read(current)
+        constraint.advance(sampled.token_id)
+        yield sampled
+        if pending is None:
+            return
+        if cancelled():
+            raise Cancelled
+        current = sampler.sample(pending, constraint.mask())
+        mx.async_eval(_sample_arrays(current))
         if produced % 256 == 0:
             mx.clear_cache()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from runtime.constraints import GrammarVocabulary, TokenMatcher
 from runtime.detokenizer import DetokenizerTable, StreamingDetokenizer
 from runtime.generate import DEFAULT_PREFILL_CHUNK, Cancelled, SampledToken, generate_tokens
 from runtime.prefix_cache import PrefixCache
@@ -21,6 +22,7 @@ from runtime.prefix_report import CacheReport
 from runtime.sampling import Sampler
 from runtime.stops import StopMatcher
 from runtime.types import (
+    Constraint,
     Finished,
     FinishReason,
     GenerationStats,
@@ -91,6 +93,20 @@ class ModelRunner:
         self.lock = threading.Lock()
         self._stream: Any = None
         self._settled = self._settle()  # the view a busy engine answers with
+        self._grammar_vocab: GrammarVocabulary | None = None  # built on first use
+
+    def grammar_vocabulary(self) -> GrammarVocabulary:
+        """The model's vocabulary in the grammar engine, imported once (about 1.5 s for
+        150k tokens) by the first constrained request."""
+        if self._grammar_vocab is None:
+            loaded = self.loaded
+            self._grammar_vocab = GrammarVocabulary(
+                loaded.tokenizer.hf.to_str(), loaded.model.args.vocab_size, loaded.eos_token_ids
+            )
+        return self._grammar_vocab
+
+    def _matcher(self, constraint: Constraint | None) -> TokenMatcher | None:
+        return None if constraint is None else self.grammar_vocabulary().matcher(constraint)
 
     def _token_text(self, token_id: int) -> str:
         return self._detok_table.token_text(token_id)
@@ -150,6 +166,7 @@ class ModelRunner:
             )
         mx.reset_peak_memory()
         start = time.perf_counter()
+        matcher = self._matcher(req.constraint)  # a grammar that cannot compile fails here
         lease = self.prefix.begin(prompt, pin=req.pin, boundaries=req.boundaries)
         if lease.report is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("request %d: %s", lease.serial, lease.report.log_line(self._decode))
@@ -165,6 +182,7 @@ class ModelRunner:
             offset=lease.reused,
             pauses=lease.snapshot_points,
             on_pause=lambda at: self.prefix.snapshot_at(lease, at),
+            constraint=matcher,
         )
         try:
             self._stream_tokens(handle, tokens, progress)

@@ -179,9 +179,13 @@ class Sampler:
             self._inside = mx.array(self._budget.inside)
             self._spent = mx.array(0, dtype=mx.int32)
 
-    def sample(self, logits: mx.array) -> SampleResult:
+    def sample(self, logits: mx.array, mask: mx.array | None = None) -> SampleResult:
+        """`mask`: the tokens a grammar allows next, a (V,) boolean vector (the rest are
+        never drawn; logprobs stay those of the unmasked distribution)."""
         raw = logits.reshape(1, -1).astype(mx.float32)
         adjusted = self._adjust(raw)
+        if mask is not None:
+            adjusted = mx.where(mask, adjusted, _NEG_INF)
         if self._greedy:
             token = mx.argmax(adjusted, axis=-1).astype(mx.int32)
         else:

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
+from typing import Literal
 
 
 def _empty_bias() -> Mapping[int, float]:
@@ -68,6 +69,29 @@ class PrefixPin:
     key: str | None = None
 
 
+ReasoningLead = Literal["none", "open", "optional"]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A grammar the output must follow, token by token (runtime/constraints.py compiles
+    it against the model's vocabulary).
+
+    `grammar` is Lark text in llguidance's dialect whose `start` rule is the answer; a
+    JSON schema is inlined as `start: %json {...}`, and `@name` refers to one of
+    `parts`, (name, Lark text) pairs compiled as nested grammars. `reasoning` leaves a
+    reasoning block free ahead of it: "open" when the prompt ends inside the block (the
+    grammar starts after `think_close`), "optional" when the model may open one with
+    `think_open`. `name` says where it came from, for error messages."""
+
+    grammar: str
+    parts: tuple[tuple[str, str], ...] = ()
+    reasoning: ReasoningLead = "none"
+    think_open: str = "<think>"
+    think_close: str = "</think>"
+    name: str = "grammar"
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation, as the engine sees it: tokens in, token events out."""
@@ -81,6 +105,7 @@ class GenerationRequest:
     pin: PrefixPin | None = None  # keep the prompt's cached prefix ahead in eviction
     # where the prompt's messages start: restore points for layers that cannot rewind
     boundaries: tuple[int, ...] = ()
+    constraint: Constraint | None = None  # a grammar every sampled token must keep to
 
 
 class FinishReason(str, Enum):

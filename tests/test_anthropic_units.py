@@ -265,7 +265,11 @@ def test_cache_control_pins_the_prefix() -> None:
     ("body", "names"),
     [
         ({"mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]}, "mcp_servers"),
-        ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config"),
+        (
+            {"output_config": {"format": {"type": "json_schema", "schema": {"propertyNames": {}}}}},
+            "propertyNames",
+        ),
+        ({"output_config": {"format": {"type": "text"}}}, "output_config.format.type"),
         ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": [WEATHER]}, "nope"),
         (
             {

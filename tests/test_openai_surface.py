@@ -227,12 +227,12 @@ def test_image_to_text_only_model_says_no_vision(base_url: str) -> None:
             {
                 "response_format": {
                     "type": "json_schema",
-                    "json_schema": {"name": "x", "schema": {}},
+                    "json_schema": {"name": "x", "schema": {"unevaluatedProperties": False}},
                 }
             },
-            "response_format",
+            "response_format.json_schema.schema",
         ),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "grammar"}}, "response_format.type"),
         ({"store": True}, "store"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),

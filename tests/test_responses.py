@@ -413,8 +413,9 @@ def test_item_reference_resolves_stored_items(base_url: str) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}}, "text.format"),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"propertyNames": {}}}}},
+         "text.format.schema"),
+        ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
         ({"background": True}, "background"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]},
          "input[0].content[0].file_id"),

@@ -28,6 +28,8 @@ from gateway.core.plan import (
     stops,
     tool_plan,
 )
+from gateway.core.structured import format_constraint
+from runtime.types import Constraint
 from templates.types import ContentPart, ImagePart, Message, TextPart, Tool, ToolCall
 
 log = logging.getLogger(__name__)
@@ -438,13 +440,24 @@ def _refuse_unsupported(req: wire._Prompt) -> None:
             "client instead",
             param="mcp_servers",
         )
-    fmt = req.output_config.format if req.output_config else None
-    if fmt is not None:
-        raise InvalidRequest(
-            "output_config.format needs constrained decoding, which this server does not "
-            "have yet; leave it out",
-            param="output_config.format",
-        )
+
+
+def output_format(req: wire._Prompt) -> Constraint | None:
+    """Structured output: output_config.format, or the beta's top-level output_format,
+    {"type": "json_schema", "schema": {...}}."""
+    if req.output_config is not None and req.output_config.format is not None:
+        fmt, param = req.output_config.format, "output_config.format"
+    elif req.output_format is not None:
+        fmt, param = req.output_format, "output_format"
+    else:
+        return None
+    return format_constraint(
+        str(fmt.get("type")),
+        fmt.get("schema"),
+        param=param,
+        schema_param=f"{param}.schema",
+        kinds=("json_schema",),
+    )
 
 
 def prompt_plan(
@@ -465,6 +478,7 @@ def prompt_plan(
         stop=(),
         stream=False,
         pin=cache_pin(req),
+        constraint=output_format(req),
     )
 
 

@@ -110,6 +110,7 @@ class _Prompt(_Wire):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    output_format: dict[str, Any] | None = None  # structured outputs beta (now output_config)
     context_management: ContextManagement | None = None
     cache_control: CacheControl | None = None
     mcp_servers: list[dict[str, Any]] | None = None

@@ -28,6 +28,7 @@ from gateway.core.served import ServedModel
 from gateway.core.settings import ServerSettings
 from runtime.engine import EngineStopped, QueueFull, RequestHandle
 from runtime.types import (
+    Constraint,
     Finished,
     FinishReason,
     GenerationEvent,
@@ -63,10 +64,12 @@ def requests_for(
     pin: CachePin | None = None,
     reasoning: ReasoningBudget | None = None,
     boundaries: tuple[int, ...] = (),
+    constraint: Constraint | None = None,
 ) -> list[GenerationRequest]:
     """`pin` (a plan's CachePin) keeps the prompt's cached prefix ahead in eviction;
     `reasoning` closes the reasoning block after its budget of tokens; `boundaries`
-    (where messages start) are restore points for hybrid models' prefix cache."""
+    (where messages start) are restore points for hybrid models' prefix cache;
+    `constraint` is the grammar every choice keeps to (a prepared request's)."""
     held = None if pin is None else PrefixPin(ttl=pin.ttl, key=pin.key)
     if reasoning is not None:
         sampling = dataclasses.replace(sampling, reasoning_budget=reasoning)
@@ -78,6 +81,7 @@ def requests_for(
             stop,
             pin=held,
             boundaries=boundaries,
+            constraint=constraint,
         )
         for i in range(count)
     ]

@@ -12,7 +12,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gateway.core.errors import InvalidRequest
-from runtime.types import SamplingParams
+from runtime.types import Constraint, SamplingParams
 from templates.types import ImagePart, Message, RenderOptions, Tool
 
 MAX_STOP_STRINGS = 16
@@ -53,6 +53,7 @@ class ChatPlan:
     messages_field: str = "messages"  # where the prompt came from, for error messages
     pin: CachePin | None = None
     reasoning_budget: int | None = None  # reasoning tokens before the block is closed
+    constraint: Constraint | None = None  # the answer's grammar (a response format's schema)
 
 
 @dataclass(frozen=True)

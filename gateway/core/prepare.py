@@ -11,8 +11,9 @@ from gateway.core.capabilities import tool_call_opener
 from gateway.core.errors import InvalidRequest, Unprocessable
 from gateway.core.plan import ChatPlan, has_images
 from gateway.core.served import ServedModel
+from gateway.core.structured import forced_call, request_constraint
 from parsers.events import Event
-from runtime.types import ReasoningBudget
+from runtime.types import Constraint, ReasoningBudget
 from templates import TURN_OPENERS, TemplateError
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class Prepared:
     prefix: str  # text the prompt ends with that belongs to the reply (forced tool call)
     reasoning: ReasoningBudget | None = None  # closes the reasoning block after N tokens
     boundaries: tuple[int, ...] = ()  # where each message starts, in tokens
+    constraint: Constraint | None = None  # the grammar the output keeps to
 
 
 def check_chat(served: ServedModel, *, param: str = "messages") -> None:
@@ -64,7 +66,11 @@ def prepare(served: ServedModel, plan: ChatPlan) -> Prepared:
     caps = served.caps
     think: parsers.ThinkMode = parsers.think_mode(text) if caps.thinking else False
     prefix = ""
-    if plan.tools.choice in ("required", "named"):
+    forced = forced_call(plan, caps.parser, served.loaded.tokenizer)
+    if forced is not None:
+        # the format's grammar names a declared tool and keeps to its schema
+        prefix = ("</think>\n\n" if think == "open" else "") + forced.opener
+    elif plan.tools.choice in ("required", "named"):
         # with one tool, "required" can only mean that tool: name it, so the model
         # cannot wander off into an undeclared one
         only = plan.tools.tools[0].name if len(plan.tools.tools) == 1 else None
@@ -80,9 +86,12 @@ def prepare(served: ServedModel, plan: ChatPlan) -> Prepared:
     tokens = served.loaded.tokenizer.encode_prompt(text + prefix)
     # a forced call closes an open block itself: the budget then has nothing to bound
     inside = think == "open" and not prefix
+    # a template that closed the block itself (thinking off) leaves no reasoning to skip
+    lead = False if text.rstrip().endswith("</think>") else think
+    constraint = request_constraint(plan, caps.parser, lead, served.loaded.tokenizer, forced)
     return Prepared(
         tokens, caps.parser, think, prefix, _budget(served, plan, think, inside),
-        message_starts(served, tokens),
+        message_starts(served, tokens), constraint,
     )
 
 

@@ -23,8 +23,9 @@ from gateway.core.plan import (
     stops,
 )
 from gateway.core.plan import tool_plan as neutral_tool_plan
+from gateway.core.structured import format_constraint
 from gateway.openai import wire
-from runtime.types import SamplingParams
+from runtime.types import Constraint, SamplingParams
 from templates.types import ImagePart, Message, TextPart, Tool, ToolCall
 
 _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
@@ -220,12 +221,6 @@ def _refuse(param: str, why: str) -> InvalidRequest:
 
 def _refuse_unsupported(req: wire.ChatCompletionRequest) -> None:
     """Known OpenAI fields this server cannot honour: a 400 naming each, never ignored."""
-    if req.response_format is not None and req.response_format.type != "text":
-        raise _refuse(
-            "response_format",
-            f"{req.response_format.type!r} needs constrained decoding, which this server "
-            "does not have yet; only 'text' is honoured",
-        )
     if req.store:
         raise _refuse("store", "this server does not store completions; send store: false")
     if req.audio is not None or any(m != "text" for m in req.modalities or ()):
@@ -243,6 +238,28 @@ def _refuse_unsupported(req: wire.ChatCompletionRequest) -> None:
             f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}",
             param="reasoning_effort",
         )
+
+
+def response_format(fmt: wire.ResponseFormat | None) -> Constraint | None:
+    """response_format: "text" (free), "json_object" (any JSON object) or "json_schema"
+    ({"json_schema": {"name", "schema", "strict"}}: a document valid against the schema,
+    strict or not; without a schema, any object)."""
+    if fmt is None:
+        return None
+    spec = (fmt.model_extra or {}).get("json_schema") if fmt.type == "json_schema" else None
+    if fmt.type == "json_schema" and not isinstance(spec, dict):
+        raise InvalidRequest(
+            "response_format of type 'json_schema' needs a json_schema object "
+            '({"name": ..., "schema": {...}})',
+            param="response_format.json_schema",
+        )
+    return format_constraint(
+        fmt.type,
+        spec.get("schema") if spec else None,
+        param="response_format",
+        schema_param="response_format.json_schema.schema",
+        kinds=("text", "json_object", "json_schema"),
+    )
 
 
 def chat_plan(
@@ -268,6 +285,7 @@ def chat_plan(
         n=req.n or 1,
         max_tokens_field="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
         pin=CachePin(key=req.prompt_cache_key) if req.prompt_cache_key else None,
+        constraint=response_format(req.response_format),
     )
 
 

@@ -53,7 +53,7 @@ async def chat_completions(request: Request) -> Response:
     readers = [new_parser(prep, plan) for _ in range(plan.n)]
     wanted = requests_for(
         prep.tokens, max_tokens, plan.sampling, plan.stop, plan.n,
-        pin=plan.pin, boundaries=prep.boundaries,
+        pin=plan.pin, boundaries=prep.boundaries, constraint=prep.constraint,
     )  # fmt: skip
     gens = submit(served, wanted, settings, request.app.state.metrics)
     fmt = ChatStream(model=served.id)

@@ -74,7 +74,7 @@ async def create_response(request: Request) -> Response:
     parser = new_parser(prep, plan)
     wanted = requests_for(
         prep.tokens, max_tokens, plan.sampling, plan.stop, 1,
-        pin=plan.pin, boundaries=prep.boundaries,
+        pin=plan.pin, boundaries=prep.boundaries, constraint=prep.constraint,
     )  # fmt: skip
     gens = submit(served, wanted, settings, request.app.state.metrics)
     builder = ResponseBuilder(

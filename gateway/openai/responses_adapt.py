@@ -25,11 +25,12 @@ from gateway.core.plan import (
     sent_sampling,
 )
 from gateway.core.plan import tool_plan as neutral_tool_plan
+from gateway.core.structured import format_constraint
 from gateway.openai import adapt as chat_adapt
 from gateway.openai import wire
 from gateway.openai.responses_wire import Item, Part, ResponsesRequest
 from gateway.openai.responses_wire import Tool as WireTool
-from runtime.types import SamplingParams
+from runtime.types import Constraint, SamplingParams
 from templates.types import ImagePart, Message, RenderOptions, TextPart, Tool, ToolCall
 
 log = logging.getLogger(__name__)
@@ -451,13 +452,6 @@ def to_messages(
 
 
 def _check_text(req: ResponsesRequest) -> None:
-    fmt = req.text.format if req.text else None
-    if fmt is not None and fmt.type != "text":
-        raise _refuse(
-            "text.format",
-            f"{fmt.type!r} needs constrained decoding, which this server does not have yet; "
-            "only 'text' is honoured",
-        )
     verbosity = req.text.verbosity if req.text else None
     if verbosity not in (None, "medium"):
         # Codex sends "low": refusing would break it, and a local model has no trained
@@ -474,6 +468,21 @@ def _check_include(req: ResponsesRequest) -> None:
             )  # fmt: skip
         if value not in INCLUDABLE:
             log.info("include %r: nothing of that kind is produced here", value)
+
+
+def text_format(req: ResponsesRequest) -> Constraint | None:
+    """text.format: "text", "json_object", or "json_schema" with the schema inline
+    ({"type": "json_schema", "name": ..., "schema": {...}, "strict": ...})."""
+    fmt = req.text.format if req.text else None
+    if fmt is None:
+        return None
+    return format_constraint(
+        fmt.type,
+        (fmt.model_extra or {}).get("schema"),
+        param="text.format",
+        schema_param="text.format.schema",
+        kinds=("text", "json_object", "json_schema"),
+    )
 
 
 def refuse_unsupported(req: ResponsesRequest) -> None:
@@ -542,6 +551,7 @@ def response_plan(
         max_tokens_field="max_output_tokens",
         messages_field="input",
         pin=CachePin(key=req.prompt_cache_key) if req.prompt_cache_key else None,
+        constraint=text_format(req),
     )
     stored = tuple(i.model_dump(exclude_none=True, by_alias=True) for i in items)
     include = req.include or ()
