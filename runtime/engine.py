@@ -1,9 +1,11 @@
-"""The engine: exactly one worker thread owns MLX and serves requests in order.
+"""The engine: exactly one worker thread owns MLX and serves the queued requests.
 
 Requests wait in a bounded queue. Each request gets a handle whose events (text
 deltas, then one Finished) can be consumed from asyncio or from a plain thread.
 Cancelling a handle (a client went away) stops its work within one prefill chunk
-or one decode step.
+or one decode step. A `BatchRunner` (runtime/runner.py) takes requests from the queue
+whenever its running batch has room and steps them together; a plain `Runner`
+serves one request at a time.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 from runtime.types import (
     Finished,
@@ -111,16 +113,39 @@ class EngineStats:
     prompt_tokens_total: int = 0
     completion_tokens_total: int = 0
     busy: bool = False
+    # the running batch, for a BatchRunner (sequences decoding, prompts being read,
+    # decode steps taken and their running average duration)
+    running: int = 0
+    prefilling: int = 0
+    decode_steps: int = 0
+    decode_step_seconds: float = 0.0
 
 
 class Runner(Protocol):
-    """What the worker runs for one request (runtime.session.Session)."""
+    """Serves one request from start to finish."""
 
     def run(self, handle: RequestHandle) -> Finished: ...
 
 
+class BatchRunner(Protocol):
+    """Serves many requests at once (runtime.runner.ModelRunner): `admit` takes one in
+    (raising if it cannot run), `step` advances them all and returns those that ended."""
+
+    @property
+    def idle(self) -> bool: ...
+    def has_room(self) -> bool: ...
+    def admit(self, handle: RequestHandle) -> None: ...
+    def step(self) -> list[tuple[RequestHandle, Finished]]: ...
+    def abort(
+        self, reason: FinishReason, error: str | None = None
+    ) -> list[tuple[RequestHandle, Finished]]: ...
+    def load(self) -> tuple[int, int, int, float]:
+        """(running, prefilling, decode steps taken, average decode step seconds)."""
+        ...
+
+
 class Engine:
-    def __init__(self, runner: Runner, *, max_queue: int = 64) -> None:
+    def __init__(self, runner: Runner | BatchRunner, *, max_queue: int = 64) -> None:
         self._runner = runner
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue(maxsize=max(1, max_queue))
         self._thread: threading.Thread | None = None
@@ -198,11 +223,64 @@ class Engine:
                 handle._emit(_finished(handle, FinishReason.CANCELLED, "server shutting down"))
 
     def _work(self) -> None:
+        runner = self._runner
+        if not _is_batch_runner(runner):
+            while True:
+                handle = self._queue.get()
+                if handle is None:
+                    return
+                self._serve(handle)
+        try:
+            self._work_batched(cast(BatchRunner, runner))
+        except BaseException:
+            log.exception("the engine's worker stopped")
+            raise
+
+    def _work_batched(self, runner: BatchRunner) -> None:
+        stats = self.stats
         while True:
-            handle = self._queue.get()
-            if handle is None:
-                return
-            self._serve(handle)
+            stats.busy = not runner.idle
+            while runner.idle or runner.has_room():
+                try:
+                    handle = self._queue.get(block=runner.idle)
+                except queue.Empty:
+                    break
+                if handle is None:
+                    for h, done in runner.abort(FinishReason.CANCELLED, "server shutting down"):
+                        self._complete(h, done)
+                    return
+                self._admit(runner, handle)
+            stats.busy = not runner.idle
+            if not runner.idle:
+                for h, done in runner.step():
+                    self._complete(h, done)
+            stats.running, stats.prefilling, stats.decode_steps, stats.decode_step_seconds = (
+                runner.load()
+            )
+
+    def _admit(self, runner: BatchRunner, handle: RequestHandle) -> None:
+        self.stats.requests_total += 1
+        if handle.cancelled:
+            self.stats.requests_cancelled += 1
+            handle._emit(_finished(handle, FinishReason.CANCELLED))
+            return
+        try:
+            runner.admit(handle)
+        except Exception as exc:  # this request cannot run; the others go on
+            log.info("request refused: %s", exc)
+            self._complete(
+                handle, _finished(handle, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+            )
+
+    def _complete(self, handle: RequestHandle, done: Finished) -> None:
+        stats = self.stats
+        if done.reason is FinishReason.CANCELLED:
+            stats.requests_cancelled += 1
+        elif done.reason is FinishReason.ERROR:
+            stats.requests_failed += 1
+        stats.prompt_tokens_total += done.stats.prompt_tokens
+        stats.completion_tokens_total += done.stats.completion_tokens
+        handle._emit(done)
 
     def _serve(self, handle: RequestHandle) -> None:
         stats = self.stats
@@ -213,7 +291,7 @@ class Engine:
             return
         stats.busy = True
         try:
-            done = self._runner.run(handle)
+            done = cast(Runner, self._runner).run(handle)
         except Exception as exc:  # one request's failure must never kill the worker
             log.exception("request failed")
             stats.requests_failed += 1
@@ -227,8 +305,10 @@ class Engine:
         handle._emit(done)
 
 
+def _is_batch_runner(runner: object) -> bool:
+    return all(hasattr(runner, name) for name in ("admit", "step", "has_room", "abort"))
+
+
 def _finished(handle: RequestHandle, reason: FinishReason, error: str | None = None) -> Finished:
     stats = GenerationStats(prompt_tokens=len(handle.request.prompt_tokens), completion_tokens=0)
     return Finished(reason, stats, error)
-
-

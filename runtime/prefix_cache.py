@@ -209,6 +209,38 @@ class PrefixCache(Generic[C]):
             self._clear_live()
         self._enforce_budget()
 
+    def adopt(self, tokens: Sequence[Key], caches: Sequence[LayerCache]) -> bool:
+        """Record a sequence whose state was computed outside the live caches (a batch
+        row): position the live caches on the longest cached prefix of `tokens`, copy the
+        rest of `caches`' state in (their offset is `len(tokens)`), record the path.
+
+        Not a request: no report, no counters but `adopted`. False when a cache could
+        not take the state (the live state is then dropped, as after an error).
+        """
+        if not self.enabled or not tokens:
+            return False
+        if self._lease is not None:
+            raise ValueError("adopt() while a lease is open")
+        keys = tuple(tokens)
+        self._tick += 1
+        path, matched = self._trie.match(keys[:-1])
+        try:
+            reused, _, _ = self._position(path, matched)
+        except Exception:
+            log.exception("prefix cache: positioning failed; starting clean")
+            self._clear_live()
+            reused = 0
+        lease = Lease(self._caches, reused, (), keys, self._serial)
+        self._lease = lease
+        for live, own in zip(self._caches, caches, strict=True):
+            if own.offset != len(keys) or not live.restore(own.snapshot(reused), len(keys)):
+                log.warning("prefix cache: a finished sequence's state could not be adopted")
+                self.discard(lease)
+                return False
+        self._counts["adopted"] += 1
+        self.end(lease, keys)
+        return True
+
     def discard(self, lease: Lease[C]) -> None:
         """An error left the caches in an unknown state: drop the live state."""
         if lease is not self._lease:
@@ -551,6 +583,7 @@ _COUNTS = (
     "pinned_evictions",
     "restore_failures",
     "discards",
+    "adopted",
 )
 
 

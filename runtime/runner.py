@@ -1,6 +1,8 @@
-"""Runs one request on the loaded model: prefix reuse, sampling, detokenizing, stops.
+"""The loaded model's serving side: the scheduler's running batch, the shared prefix
+cache, the grammar vocabulary, and the views the admin routes read.
 
-Called only from the engine's worker thread, the one thread that owns MLX.
+`admit`, `step` and `abort` are called only from the engine's worker thread, the one
+thread that owns MLX; `prefix_cache_view` from any thread.
 """
 
 from __future__ import annotations
@@ -15,21 +17,14 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from runtime.constraints import GrammarVocabulary, TokenMatcher
-from runtime.detokenizer import DetokenizerTable, StreamingDetokenizer
-from runtime.generate import DEFAULT_PREFILL_CHUNK, Cancelled, SampledToken, generate_tokens
-from runtime.prefix_cache import PrefixCache
+from runtime.detokenizer import DetokenizerTable
+from runtime.generate import DEFAULT_PREFILL_CHUNK
+from runtime.prefix_cache import Lease, PrefixCache
 from runtime.prefix_report import CacheReport
 from runtime.sampling import Sampler
-from runtime.stops import StopMatcher
-from runtime.types import (
-    Constraint,
-    Finished,
-    FinishReason,
-    GenerationStats,
-    TextDelta,
-    TokenLogprob,
-    TopLogprob,
-)
+from runtime.scheduler import Scheduler
+from runtime.sequence import SequenceOutput
+from runtime.types import Constraint, Finished, FinishReason
 
 if TYPE_CHECKING:
     from runtime.engine import RequestHandle
@@ -55,18 +50,9 @@ class RunnerSettings:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     prefix_cache_bytes: int = field(default_factory=default_prefix_cache_bytes)
     snapshot_interval: int = 1024
-
-
-@dataclass
-class _Progress:
-    """What one request has done so far, for the finish event and the trie."""
-
-    prompt: tuple[int, ...]
-    reused: int
-    generated: list[int] = field(default_factory=list)
-    first_at: float | None = None
-    reason: FinishReason = FinishReason.LENGTH
-    stop_string: str | None = None  # the stop string that ended it, if one did
+    max_batch: int = 8  # sequences decoding together; 1 serves one request at a time
+    # the running batch's caches stay under this; a request that would not fit waits
+    batch_memory_bytes: int = field(default_factory=default_prefix_cache_bytes)
 
 
 @dataclass(frozen=True)
@@ -94,6 +80,15 @@ class ModelRunner:
         self._stream: Any = None
         self._settled = self._settle()  # the view a busy engine answers with
         self._grammar_vocab: GrammarVocabulary | None = None  # built on first use
+        self.scheduler = Scheduler(
+            loaded.model,
+            self.prefix,
+            make_caches=loaded.model.make_caches,
+            max_batch=self.settings.max_batch,
+            prefill_chunk=self.settings.prefill_chunk,
+            memory_bytes=self.settings.batch_memory_bytes,
+            on_begin=self._log_report,
+        )
 
     def grammar_vocabulary(self) -> GrammarVocabulary:
         """The model's vocabulary in the grammar engine, imported once (about 1.5 s for
@@ -107,15 +102,6 @@ class ModelRunner:
 
     def _matcher(self, constraint: Constraint | None) -> TokenMatcher | None:
         return None if constraint is None else self.grammar_vocabulary().matcher(constraint)
-
-    def _token_text(self, token_id: int) -> str:
-        return self._detok_table.token_text(token_id)
-
-    def _logprobs(self, sampled: SampledToken) -> tuple[TokenLogprob, ...]:
-        top = tuple(TopLogprob(i, self._token_text(i), lp) for i, lp in sampled.top)
-        text = self._token_text(sampled.token_id)
-        logprob = sampled.logprob if sampled.logprob is not None else 0.0
-        return (TokenLogprob(sampled.token_id, text, logprob, top),)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.loaded.tokenizer.decode(ids, skip_special_tokens=False)
@@ -146,112 +132,54 @@ class ModelRunner:
             "trie": view.trie,
         }
 
-    def run(self, handle: RequestHandle) -> Finished:
+    # -- the engine's side (runtime/engine.py's BatchRunner) --
+
+    @property
+    def idle(self) -> bool:
+        return self.scheduler.idle
+
+    def has_room(self) -> bool:
+        return self.scheduler.has_room()
+
+    def admit(self, handle: RequestHandle) -> None:
+        """Take a request into the scheduler; raises (the request fails) when it cannot
+        run: no room in the context, a grammar that does not compile, bad sampling."""
+        req = handle.request
+        room = self.loaded.context_length - len(req.prompt_tokens)
+        if room <= 0:
+            raise ValueError(
+                f"prompt of {len(req.prompt_tokens)} tokens leaves no room in the "
+                f"{self.loaded.context_length}-token context"
+            )
+        if not req.prompt_tokens:
+            raise ValueError("cannot generate from an empty prompt")
+        vocab = self.loaded.model.args.vocab_size
+        sampler = Sampler(req.sampling, vocab, req.prompt_tokens)
+        matcher = self._matcher(req.constraint)  # a grammar that cannot compile fails here
+        eos = self.loaded.eos_token_ids
+        out = SequenceOutput(handle, self._detok_table, eos, min(req.max_tokens, room))
+        self.scheduler.admit(handle, out, sampler, matcher)
+
+    def step(self) -> list[tuple[RequestHandle, Finished]]:
+        """One scheduling step (a decode step for the batch, a prefill chunk)."""
         if self._stream is None:
             self._stream = mx.new_stream(mx.default_device())
         with self.lock, mx.stream(self._stream):
-            try:
-                return self._run(handle)
-            finally:
+            done = self.scheduler.step()
+            if self.scheduler.trie_changed or done:
                 self._settled = self._settle()
+        return done
 
-    def _run(self, handle: RequestHandle) -> Finished:
-        req = handle.request
-        prompt = req.prompt_tokens
-        room = self.loaded.context_length - len(prompt)
-        if room <= 0:
-            raise ValueError(
-                f"prompt of {len(prompt)} tokens leaves no room in the "
-                f"{self.loaded.context_length}-token context"
-            )
-        mx.reset_peak_memory()
-        start = time.perf_counter()
-        matcher = self._matcher(req.constraint)  # a grammar that cannot compile fails here
-        lease = self.prefix.begin(prompt, pin=req.pin, boundaries=req.boundaries)
+    def abort(
+        self, reason: FinishReason, error: str | None = None
+    ) -> list[tuple[RequestHandle, Finished]]:
+        with self.lock:
+            return self.scheduler.abort(reason, error)
+
+    def load(self) -> tuple[int, int, int, float]:
+        s = self.scheduler.stats
+        return s.running, s.prefilling, s.steps, s.decode_step_seconds
+
+    def _log_report(self, lease: Lease[Any]) -> None:
         if lease.report is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("request %d: %s", lease.serial, lease.report.log_line(self._decode))
-        progress = _Progress(prompt, lease.reused)
-        tokens = generate_tokens(
-            self.loaded.model,
-            lease.caches,
-            prompt[lease.reused :],
-            Sampler(req.sampling, self.loaded.model.args.vocab_size, prompt),
-            max_tokens=min(req.max_tokens, room),
-            prefill_chunk=req.prefill_chunk or self.settings.prefill_chunk,
-            cancelled=lambda: handle.cancelled,
-            offset=lease.reused,
-            pauses=lease.snapshot_points,
-            on_pause=lambda at: self.prefix.snapshot_at(lease, at),
-            constraint=matcher,
-        )
-        try:
-            self._stream_tokens(handle, tokens, progress)
-        except Cancelled:
-            progress.reason = FinishReason.CANCELLED
-        except BaseException:
-            tokens.close()
-            self.prefix.discard(lease)  # the caches may hold half a step: never reuse them
-            raise
-        tokens.close()
-        held = lease.caches[0].offset if lease.caches else 0
-        self.prefix.end(lease, (prompt + tuple(progress.generated))[:held])
-        return self._finish(progress, start)
-
-    def _stream_tokens(
-        self, handle: RequestHandle, tokens: Any, progress: _Progress
-    ) -> None:
-        req = handle.request
-        detok = StreamingDetokenizer(self._detok_table)
-        stops = StopMatcher(req.stop_strings)
-        eos = self.loaded.eos_token_ids | frozenset(req.stop_token_ids)
-        for sampled in tokens:
-            if progress.first_at is None:
-                progress.first_at = time.perf_counter()
-            progress.generated.append(sampled.token_id)
-            logprobs = self._logprobs(sampled) if req.sampling.logprobs else ()
-            if sampled.token_id in eos:
-                progress.reason = FinishReason.STOP
-                handle._emit(TextDelta(_drain(detok, stops)[0], (sampled.token_id,), logprobs))
-                progress.stop_string = stops.matched  # held-back text may have ended in one
-                return
-            text, hit = stops.feed(detok.add(sampled.token_id))
-            handle._emit(TextDelta(text, (sampled.token_id,), logprobs))
-            if hit:
-                progress.reason = FinishReason.STOP
-                progress.stop_string = stops.matched
-                return
-            if handle.cancelled:
-                progress.reason = FinishReason.CANCELLED
-                return
-        tail, hit = _drain(detok, stops)
-        if tail:
-            handle._emit(TextDelta(tail))
-        if hit or stops.stopped:
-            progress.reason = FinishReason.STOP
-            progress.stop_string = stops.matched
-
-    def _finish(self, progress: _Progress, start: float) -> Finished:
-        end = time.perf_counter()
-        first = progress.first_at if progress.first_at is not None else end
-        stats = GenerationStats(
-            prompt_tokens=len(progress.prompt),
-            completion_tokens=len(progress.generated),
-            cached_tokens=progress.reused,
-            prefill_seconds=first - start,
-            decode_seconds=end - first,
-            peak_memory_bytes=int(mx.get_peak_memory()),
-        )
-        log.debug(
-            "request %s: prompt=%d reused=%d computed=%d completion=%d "
-            "prefill=%.1f tok/s decode=%.1f tok/s",
-            progress.reason.value, stats.prompt_tokens, progress.reused,
-            stats.prompt_tokens - progress.reused, stats.completion_tokens,
-            stats.prefill_tps, stats.decode_tps,
-        )
-        return Finished(progress.reason, stats, stop_string=progress.stop_string)
-
-
-def _drain(detok: StreamingDetokenizer, stops: StopMatcher) -> tuple[str, bool]:
-    """Release held-back text at the end, still honouring stop strings."""
-    text, hit = stops.feed(detok.flush())
-    return (text, True) if hit else (text + stops.flush(), False)

@@ -70,6 +70,9 @@ async def health(request: Request) -> JSONResponse:
             "context_length": served.context_length,
             "busy": stats.busy,
             "queue_depth": served.engine.queue_depth,
+            "running": stats.running,
+            "prefilling": stats.prefilling,
+            "decode_step_seconds": round(stats.decode_step_seconds, 6),
             "requests_total": stats.requests_total,
         }
     )

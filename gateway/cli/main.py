@@ -123,6 +123,12 @@ def parse_bytes(text: str) -> int:
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=int(_env("PREFILL_CHUNK", "2048")))
     p.add_argument("--max-queue", type=int, default=int(_env("MAX_QUEUE", "64")))
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=int(_env("MAX_BATCH", "8")),
+        help="sequences decoding together in one batched step (1 turns batching off)",
+    )
     cache_default = os.environ.get(ENV_PREFIX + "PREFIX_CACHE_BYTES")
     p.add_argument(
         "--prefix-cache-bytes",
@@ -246,6 +252,7 @@ def _engine_settings(args: argparse.Namespace) -> EngineSettings:
     return EngineSettings(
         prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue,
+        max_batch=args.max_batch,
         prefix_cache_bytes=args.prefix_cache_bytes,
         snapshot_interval=args.snapshot_interval,
         template_family=args.template_family,

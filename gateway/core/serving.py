@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EngineSettings:
     prefill_chunk: int = 2048
+    max_batch: int = 8  # sequences decoding together; 1 = one request at a time
     max_queue: int = 64
     prefix_cache_bytes: int | None = None  # None = the runtime's default share of memory
     snapshot_interval: int = 1024
@@ -63,7 +64,9 @@ def build_served(
         log.warning("%s has no chat template; only raw completions will work", model_id)
         caps = dataclasses.replace(caps, chat=False)
     runner_settings = RunnerSettings(
-        prefill_chunk=settings.prefill_chunk, snapshot_interval=settings.snapshot_interval
+        prefill_chunk=settings.prefill_chunk,
+        snapshot_interval=settings.snapshot_interval,
+        max_batch=settings.max_batch,
     )
     if settings.prefix_cache_bytes is not None:
         runner_settings = dataclasses.replace(

@@ -6,7 +6,7 @@ from runtime.cache.kv import KVCache, KVSnapshot
 from runtime.cache.latent import LatentCache
 from runtime.cache.mask import Mask, window_mask
 from runtime.cache.protocol import ArraySnapshot, Cache, LayerCache, Snapshot
-from runtime.cache.recurrent import RecurrentCache, RecurrentSnapshot
+from runtime.cache.recurrent import RecurrentCache, RecurrentSnapshot, RecurrentState
 from runtime.cache.rotating import RotatingKVCache, RotatingSnapshot
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "Mask",
     "RecurrentCache",
     "RecurrentSnapshot",
+    "RecurrentState",
     "RotatingKVCache",
     "RotatingSnapshot",
     "Snapshot",

@@ -6,6 +6,8 @@ it is restored only from a snapshot taken at exactly the offset wanted.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import mlx.core as mx
 
 from runtime.cache.protocol import ArraySnapshot, Snapshot, close_all, copy_arrays
@@ -24,6 +26,16 @@ class RecurrentSnapshot(ArraySnapshot):
     @property
     def recurrent_state(self) -> mx.array:
         return self.arrays[1]
+
+
+@runtime_checkable
+class RecurrentState(Protocol):
+    """What a recurrent layer reads and writes: one sequence's cache, or a batch's."""
+
+    conv_state: mx.array | None
+    recurrent_state: mx.array | None
+
+    def update(self, conv_state: mx.array, recurrent_state: mx.array, length: int) -> None: ...
 
 
 class RecurrentCache:

@@ -24,7 +24,7 @@ from mlx.nn.layers.base import Module
 from mlx.nn.layers.convolution import Conv1d
 from mlx.nn.layers.linear import Linear
 
-from runtime.cache import RecurrentCache
+from runtime.cache import RecurrentState
 
 # Prefill chunk of the parallel form (transformers' and FLA's too). On a 2-core CPU,
 # 2048 tokens, 32 heads of 128, 64 measured best (tied with 128 under two BLAS threads;
@@ -256,7 +256,7 @@ class GatedDeltaNet(Module):
         self.norm = GatedRMSNorm(dims.head_v_dim, dims.norm_eps)
         self.out_proj = Linear(dims.value_dim, hidden, bias=False)
 
-    def _qkv(self, x: mx.array, cache: RecurrentCache) -> tuple[mx.array, ...]:
+    def _qkv(self, x: mx.array, cache: RecurrentState) -> tuple[mx.array, ...]:
         """Queries and keys (unit norm, queries scaled, one per value head) and values,
         all (B, Hv, L, D) in float32, and the new conv tail; the cache is not touched."""
         d = self.dims
@@ -277,7 +277,7 @@ class GatedDeltaNet(Module):
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
         return q, k, v, tail
 
-    def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: RecurrentState) -> mx.array:
         d = self.dims
         batch, length, _ = x.shape
         q, k, v, tail = self._qkv(x, cache)

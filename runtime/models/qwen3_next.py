@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.linear import Linear
 
-from runtime.cache import Cache, KVCache, LayerCache, RecurrentCache
+from runtime.cache import Cache, KVCache, LayerCache, RecurrentCache, RecurrentState
 from runtime.models.base import (
     FULL_ATTENTION,
     MLP,
@@ -224,8 +224,8 @@ class HybridLayer(Module):
     def __call__(self, x: mx.array, cache: LayerCache) -> mx.array:
         h = self.input_layernorm(x)
         if self.linear_attn is not None:
-            if not isinstance(cache, RecurrentCache):
-                raise TypeError(f"a linear-attention layer needs a RecurrentCache, not {cache!r}")
+            if not isinstance(cache, RecurrentState):
+                raise TypeError(f"a linear-attention layer needs a recurrent cache, not {cache!r}")
             h = self.linear_attn(h, cache)
         else:
             assert self.self_attn is not None

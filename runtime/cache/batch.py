@@ -1,0 +1,297 @@
+"""Per-layer caches of several sequences joined into one, for a batched decode step.
+
+A running batch decodes one token for every sequence in one forward. Each layer's cache
+is a `BatchCache` made from the sequences' own caches (their rows) when they join and
+cut back into per-sequence caches when they leave, for the prefix trie.
+
+- Token-indexed caches (KV, latent, sliding window) share one buffer, left-padded so the
+  newest token of every row sits in the same column: one write per step for the whole
+  batch. `offset` is then a (B,) array of each row's position (rotary embeddings take
+  per-row offsets) and `make_mask` hides each row's padding (and what lies outside a
+  sliding window; a windowed row keeps its older tokens until it leaves, then only the
+  window goes back).
+- Recurrent caches stack their fixed-size states along the batch axis.
+
+Joining or leaving copies the buffers once; steps in between write in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeAlias
+
+import mlx.core as mx
+
+from runtime.cache.kv import KVCache
+from runtime.cache.mask import Mask
+from runtime.cache.recurrent import RecurrentCache, RecurrentSnapshot
+from runtime.cache.rotating import RotatingKVCache, RotatingSnapshot
+
+_STEP = 256  # spare columns added at a time
+
+RowCache: TypeAlias = KVCache | RotatingKVCache | RecurrentCache
+
+
+def batchable(caches: Sequence[object]) -> bool:
+    """Whether every layer's cache is of a kind `BatchCache` can join."""
+    return all(isinstance(c, (KVCache, RotatingKVCache, RecurrentCache)) for c in caches)
+
+
+def _temporal(cache: KVCache | RotatingKVCache) -> tuple[mx.array, mx.array]:
+    """A token cache's held keys and values, oldest first (held may be < offset)."""
+    if isinstance(cache, KVCache):
+        assert cache.keys is not None and cache.values is not None
+        return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+    snap = cache.snapshot(0)
+    assert isinstance(snap, RotatingSnapshot)
+    return snap.keys, snap.values
+
+
+class BatchTokenCache:
+    """Rows of token-indexed caches in one left-padded buffer (see the module docstring).
+
+    `template` is one row's cache: rows leave as fresh caches of its kind.
+    """
+
+    def __init__(self, template: KVCache | RotatingKVCache) -> None:
+        self._kind = type(template)
+        self._window = template.max_size if isinstance(template, RotatingKVCache) else None
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self._cols = 0  # buffer columns in use
+        self._left: list[int] = []  # padding columns at the start of each row
+        self._pos: list[int] = []  # each row's offset (tokens seen)
+
+    @property
+    def rows(self) -> int:
+        return len(self._pos)
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's position, (B,): rotary embeddings rotate every row by its own."""
+        return mx.array(self._pos, dtype=mx.int32)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in (self.keys, self.values) if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.state)
+
+    def make_mask(self, length: int, window: int | None = None) -> Mask:
+        """(B, 1, L, K): a row's queries see its own tokens (not its padding), causally,
+        within the sliding window if this layer has one."""
+        window = self._window if self._window is not None else window
+        total = self._cols + length
+        k_col = mx.arange(total)[None, None, None, :]
+        q_col = mx.arange(self._cols, total)[None, None, :, None]
+        left = mx.array(self._left, dtype=mx.int32)[:, None, None, None]
+        allowed = (k_col >= left) & (k_col <= q_col)
+        if window is not None:
+            allowed = allowed & (q_col - k_col < window)
+        return allowed
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append (B, H, L, D) keys/values, one row each; return every column in use."""
+        length = keys.shape[2]
+        assert self.keys is not None and self.values is not None
+        end = self._cols + length
+        if end > self.keys.shape[2]:
+            self._widen(end - self.keys.shape[2] + _STEP)
+        self.keys[..., self._cols : end, :] = keys
+        self.values[..., self._cols : end, :] = values
+        self._cols = end
+        self._pos = [p + length for p in self._pos]
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def _widen(self, extra: int) -> None:
+        assert self.keys is not None and self.values is not None
+        b, h, _, dk = self.keys.shape
+        self.keys = mx.concatenate(
+            [self.keys, mx.zeros((b, h, extra, dk), dtype=self.keys.dtype)], axis=2
+        )
+        self.values = mx.concatenate(
+            [self.values, mx.zeros((b, h, extra, self.values.shape[-1]), self.values.dtype)],
+            axis=2,
+        )
+
+    def add(self, cache: KVCache | RotatingKVCache) -> None:
+        """Join a row at the end of the batch (its arrays are copied in)."""
+        k, v = _temporal(cache)
+        held = k.shape[2]
+        if self.keys is None or self.values is None:
+            self.keys, self.values = k, v
+            self._cols, self._left, self._pos = held, [0], [cache.offset]
+            self._widen(_STEP)
+            return
+        if held > self._cols:  # the new row is longer: pad every old row further
+            shift = held - self._cols
+            self.keys = _pad_left(self.keys[..., : self._cols, :], shift)
+            self.values = _pad_left(self.values[..., : self._cols, :], shift)
+            self._left = [n + shift for n in self._left]
+            self._cols = held
+        else:
+            self.keys = self.keys[..., : self._cols, :]
+            self.values = self.values[..., : self._cols, :]
+        pad = self._cols - held
+        self.keys = mx.concatenate([self.keys, _pad_left(k, pad)], axis=0)
+        self.values = mx.concatenate([self.values, _pad_left(v, pad)], axis=0)
+        self._left.append(pad)
+        self._pos.append(cache.offset)
+        self._widen(_STEP)
+
+    def remove(self, rows: Sequence[int]) -> None:
+        """Drop rows; the columns no remaining row uses are cut off."""
+        keep = [i for i in range(self.rows) if i not in set(rows)]
+        if not keep:
+            self.keys = self.values = None
+            self._cols, self._left, self._pos = 0, [], []
+            return
+        assert self.keys is not None and self.values is not None
+        index = mx.array(keep, dtype=mx.int32)
+        cut = min(self._left[i] for i in keep)
+        self.keys = mx.take(self.keys, index, axis=0)[:, :, cut : self._cols, :]
+        self.values = mx.take(self.values, index, axis=0)[:, :, cut : self._cols, :]
+        self._left = [self._left[i] - cut for i in keep]
+        self._pos = [self._pos[i] for i in keep]
+        self._cols -= cut
+        self._widen(_STEP)
+
+    def row(self, i: int) -> KVCache | RotatingKVCache:
+        """Row `i` as a cache of its own (a copy), holding the row's tokens."""
+        assert self.keys is not None and self.values is not None
+        k = self.keys[i : i + 1, :, self._left[i] : self._cols, :]
+        v = self.values[i : i + 1, :, self._left[i] : self._cols, :]
+        if self._window is not None:
+            held = min(k.shape[2], self._window)
+            k, v = k[..., k.shape[2] - held :, :], v[..., v.shape[2] - held :, :]
+            out = RotatingKVCache(max_size=self._window)
+            snap = RotatingSnapshot(mx.contiguous(k), mx.contiguous(v), self._pos[i], self._window)
+            if not out.restore(snap, self._pos[i]):
+                raise RuntimeError("a sliding-window row could not be rebuilt")
+            return out
+        fresh = self._kind()  # type: ignore[call-arg]  # a KVCache kind here
+        assert isinstance(fresh, KVCache)
+        fresh.update_and_fetch(mx.contiguous(k), mx.contiguous(v))
+        return fresh
+
+
+def _pad_left(x: mx.array, n: int) -> mx.array:
+    if n == 0:
+        return x
+    b, h, _, d = x.shape
+    return mx.concatenate([mx.zeros((b, h, n, d), dtype=x.dtype), x], axis=2)
+
+
+class BatchRecurrentCache:
+    """Rows of recurrent caches: conv and recurrent states stacked on the batch axis."""
+
+    def __init__(self) -> None:
+        self.conv_state: mx.array | None = None
+        self.recurrent_state: mx.array | None = None
+        self._pos: list[int] = []
+
+    @property
+    def rows(self) -> int:
+        return len(self._pos)
+
+    @property
+    def offset(self) -> mx.array:
+        return mx.array(self._pos, dtype=mx.int32)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in (self.conv_state, self.recurrent_state) if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.state)
+
+    def update(self, conv_state: mx.array, recurrent_state: mx.array, length: int) -> None:
+        self.conv_state, self.recurrent_state = conv_state, recurrent_state
+        self._pos = [p + length for p in self._pos]
+
+    def add(self, cache: RecurrentCache) -> None:
+        if cache.conv_state is None or cache.recurrent_state is None:
+            raise ValueError("a recurrent row joins only after its prompt has run")
+        if self.conv_state is None or self.recurrent_state is None:
+            self.conv_state, self.recurrent_state = cache.conv_state, cache.recurrent_state
+        else:
+            self.conv_state = mx.concatenate([self.conv_state, cache.conv_state], axis=0)
+            self.recurrent_state = mx.concatenate(
+                [self.recurrent_state, cache.recurrent_state], axis=0
+            )
+        self._pos.append(cache.offset)
+
+    def remove(self, rows: Sequence[int]) -> None:
+        keep = [i for i in range(self.rows) if i not in set(rows)]
+        if not keep:
+            self.conv_state = self.recurrent_state = None
+            self._pos = []
+            return
+        assert self.conv_state is not None and self.recurrent_state is not None
+        index = mx.array(keep, dtype=mx.int32)
+        self.conv_state = mx.take(self.conv_state, index, axis=0)
+        self.recurrent_state = mx.take(self.recurrent_state, index, axis=0)
+        self._pos = [self._pos[i] for i in keep]
+
+    def row(self, i: int) -> RecurrentCache:
+        assert self.conv_state is not None and self.recurrent_state is not None
+        out = RecurrentCache()
+        snap = RecurrentSnapshot(
+            mx.contiguous(self.conv_state[i : i + 1]),
+            mx.contiguous(self.recurrent_state[i : i + 1]),
+            self._pos[i],
+        )
+        out.restore(snap, self._pos[i])
+        return out
+
+
+BatchCache: TypeAlias = BatchTokenCache | BatchRecurrentCache
+
+
+class BatchCaches:
+    """One `BatchCache` per layer, and the rows (sequences) they hold, in order."""
+
+    def __init__(self, template: Sequence[object]) -> None:
+        if not batchable(template):
+            raise ValueError("these caches cannot be batched")
+        self.layers: list[BatchCache] = [
+            BatchRecurrentCache() if isinstance(c, RecurrentCache) else BatchTokenCache(c)  # type: ignore[arg-type]
+            for c in template
+        ]
+
+    @property
+    def rows(self) -> int:
+        return self.layers[0].rows if self.layers else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def bytes_per_token(self) -> tuple[int, int]:
+        """(bytes a row adds per token it holds, bytes a row holds whatever its length)."""
+        per_token = fixed = 0
+        for layer in self.layers:
+            if isinstance(layer, BatchTokenCache):
+                if layer.keys is not None and layer.values is not None:
+                    b, _, cols, _ = layer.keys.shape
+                    per_token += (layer.keys.nbytes + layer.values.nbytes) // max(1, b * cols)
+            elif layer.rows:
+                fixed += layer.nbytes // layer.rows
+        return per_token, fixed
+
+    def add(self, caches: Sequence[object]) -> None:
+        """Join one sequence's caches (one per layer) as the last row."""
+        for layer, cache in zip(self.layers, caches, strict=True):
+            layer.add(cache)  # type: ignore[arg-type]
+        mx.eval([a for layer in self.layers for a in layer.state])
+
+    def remove(self, rows: Sequence[int]) -> None:
+        for layer in self.layers:
+            layer.remove(rows)
+
+    def row(self, i: int) -> list[RowCache]:
+        """Row `i` as per-layer caches of its own (copies)."""
+        return [layer.row(i) for layer in self.layers]

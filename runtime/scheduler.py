@@ -1,0 +1,422 @@
+"""Continuous batching: the running batch, admission, and prefill interleaved with decode.
+
+Every `step()` does two things on the engine thread:
+
+1. One decode step for the whole running batch: a single forward over every sequence's
+   last token (the layers' caches joined by runtime/cache/batch.py), then each sequence
+   samples its own next token under its own sampler and grammar. Step N+1's forward is
+   queued on the device before step N's tokens are read back, so detokenizing, stop
+   strings and grammar masks run on the host while the device computes.
+2. One prefill chunk for the sequence at the head of the prefill queue, sized so that
+   the running streams wait at most about `PREFILL_SHARE` decode steps for it (the
+   chunk's token rate is measured as it goes); with nothing decoding, a whole
+   `prefill_chunk`. When its prompt is in, the sequence joins the batch.
+
+The prefix trie (runtime/prefix_cache.py) has one live path, lent to one prefill at a
+time: a new sequence restores its longest cached prefix there, its prompt is recorded
+when it joins the batch (so a sequence arriving next reuses it: two sequences sharing a
+prefix never compute it twice), and a finished sequence's state (prompt and output) is
+copied back into the trie between prefills. Sequences join and leave between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from runtime.cache.batch import BatchCaches, batchable
+from runtime.generate import CausalLM, _read, _sample_arrays
+from runtime.prefix_cache import Lease, PrefixCache
+from runtime.sampling import Sampler, SampleResult
+from runtime.sequence import SequenceOutput
+from runtime.types import Finished, FinishReason, GenerationStats
+
+if TYPE_CHECKING:
+    from runtime.constraints import TokenMatcher
+    from runtime.engine import RequestHandle
+
+log = logging.getLogger(__name__)
+
+PREFILL_SHARE = 1.5  # a prefill chunk takes about this many decode steps' time
+MIN_PREFILL_CHUNK = 16
+_EMA = 0.3  # weight of the newest measurement in the running averages
+
+
+@dataclass
+class SchedulerStats:
+    """What /health and /metrics show of the running batch."""
+
+    running: int = 0  # sequences decoding
+    prefilling: int = 0  # sequences admitted whose prompt is still being read
+    steps: int = 0  # batched decode steps taken
+    decode_step_seconds: float = 0.0  # running average of one decode step
+    prefill_chunk_tokens: int = 0  # the size of the last prefill chunk
+    max_batch_seen: int = 0
+
+
+class _Prefill:
+    """A prompt read into its caches in chunks, pausing at the trie's snapshot points."""
+
+    def __init__(self, lease: Lease[Any], prompt: Sequence[int]) -> None:
+        self.lease = lease
+        self.caches = lease.caches
+        self.rest = list(prompt[lease.reused : -1])  # the last token starts decoding
+        self.offset = lease.reused
+        self.marks = [p for p in lease.snapshot_points if p > self.offset]
+
+    @property
+    def done(self) -> bool:
+        return not self.rest
+
+    def run(self, model: CausalLM, n: int, on_pause: Callable[[int], None]) -> int:
+        """Feed up to `n` tokens (stopping at a snapshot point); return how many ran."""
+        if self.marks and self.marks[0] == self.offset:
+            on_pause(self.marks.pop(0))
+        n = min(n, len(self.rest))
+        if self.marks:
+            n = min(n, self.marks[0] - self.offset)
+        if n <= 0:
+            return 0
+        model.forward(mx.array(self.rest[:n], dtype=mx.int32)[None], self.caches)
+        mx.eval([a for c in self.caches for a in c.state])
+        mx.clear_cache()
+        self.rest = self.rest[n:]
+        self.offset += n
+        if self.done and self.marks and self.marks[0] == self.offset:
+            on_pause(self.marks.pop(0))
+        return n
+
+
+@dataclass(eq=False)
+class _Seq:
+    handle: RequestHandle
+    out: SequenceOutput
+    sampler: Sampler
+    matcher: TokenMatcher | None
+    start: float
+    prefill: _Prefill | None = None
+    caches: list[Any] | None = None  # its own caches, when the model's cannot batch
+    input: mx.array | None = None  # (1,) the token the next step feeds
+    unread: SampleResult | None = None  # sampled on the device, not yet read
+
+    @property
+    def request(self) -> Any:
+        return self.handle.request
+
+
+class Scheduler:
+    """The running batch of one model (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        prefix: PrefixCache[Any],
+        *,
+        make_caches: Callable[[], list[Any]],
+        max_batch: int,
+        prefill_chunk: int,
+        memory_bytes: int = 0,
+        on_begin: Callable[[Lease[Any]], None] = lambda _: None,
+    ) -> None:
+        self.model = model
+        self.prefix = prefix
+        self.max_batch = max(1, max_batch)
+        self.prefill_chunk = max(1, prefill_chunk)
+        self._make = make_caches
+        self.memory_bytes = memory_bytes  # the batch's caches stay under this (0: no bound)
+        self._row_bytes = (0, 0)  # (per token, per row) as measured on the batch
+        self._on_begin = on_begin  # the runner logs the lease's cache report
+        self._batched = batchable(make_caches())
+        self._batch: BatchCaches | None = None
+        self._rows: list[_Seq] = []
+        self._queue: deque[_Seq] = deque()  # admitted, prompt not yet in
+        self._writebacks: deque[tuple[list[Any], tuple[int, ...]]] = deque()
+        self._prefill_rate = 0.0  # tokens/s of recent prefill chunks
+        self.trie_changed = False
+        self.stats = SchedulerStats()
+
+    # -- admission --
+
+    @property
+    def idle(self) -> bool:
+        return not (self._rows or self._queue or self._writebacks)
+
+    def has_room(self) -> bool:
+        """One prefill at a time; the batch bounded by max_batch."""
+        return not self._queue and len(self._rows) < self.max_batch
+
+    def admit(
+        self, handle: RequestHandle, out: SequenceOutput, sampler: Sampler,
+        matcher: TokenMatcher | None,
+    ) -> None:  # fmt: skip
+        if self.idle:
+            mx.reset_peak_memory()
+        self._queue.append(_Seq(handle, out, sampler, matcher, time.perf_counter()))
+        self._count()
+
+    # -- the step --
+
+    def step(self) -> list[tuple[RequestHandle, Finished]]:
+        """One decode step for the batch and one prefill chunk; the sequences that ended."""
+        self.trie_changed = False
+        done: list[tuple[RequestHandle, Finished]] = []
+        if self._rows:
+            done += self._decode_step()
+        if self._queue:
+            done += self._prefill_step()
+        if not self._queue or self._queue[0].prefill is None:
+            self._write_back()
+        self._count()
+        return done
+
+    def abort(
+        self, reason: FinishReason, error: str | None = None
+    ) -> list[tuple[RequestHandle, Finished]]:
+        """End every sequence (shutdown, or a failed batched step): nothing goes back to
+        the trie except what it already holds."""
+        out = []
+        for seq in [*self._rows, *self._queue]:
+            if seq.prefill is not None:
+                self.prefix.discard(seq.prefill.lease)
+            seq.out.progress.reason = reason
+            out.append((seq.handle, self._finished(seq, error)))
+        self._rows, self._batch = [], None
+        self._queue.clear()
+        self._count()
+        return out
+
+    def _count(self) -> None:
+        s = self.stats
+        s.running, s.prefilling = len(self._rows), len(self._queue)
+        s.max_batch_seen = max(s.max_batch_seen, s.running)
+
+    # -- decode --
+
+    def _forward(self) -> list[mx.array]:
+        """Queue one step's logits for every row: one (1, V) array per row."""
+        inputs = [r.input for r in self._rows]
+        assert all(i is not None for i in inputs)
+        if self._batch is not None:
+            tokens = mx.concatenate(inputs).reshape(-1, 1)  # type: ignore[arg-type]
+            hidden = self.model.forward(tokens, self._batch.layers)
+            logits = self.model.logits(hidden[:, -1, :])
+            return [logits[i : i + 1] for i in range(len(self._rows))]
+        out = []
+        for row in self._rows:
+            assert row.input is not None and row.caches is not None
+            hidden = self.model.forward(row.input.reshape(1, 1), row.caches)
+            out.append(self.model.logits(hidden[:, -1, :]))
+        return out
+
+    def _decode_step(self) -> list[tuple[RequestHandle, Finished]]:
+        start = time.perf_counter()
+        try:
+            logits = self._forward()
+            mx.async_eval(logits)
+            ended = [i for i, row in enumerate(self._rows) if self._read(row)]
+            arrays: list[mx.array] = []
+            for i, row in enumerate(self._rows):
+                if i in ended:
+                    continue
+                mask = row.matcher.mask() if row.matcher is not None else None
+                row.unread = row.sampler.sample(logits[i], mask)
+                row.input = row.unread.token
+                arrays += _sample_arrays(row.unread)
+            mx.async_eval(arrays)
+        except Exception as exc:
+            log.exception("batched decode step failed")
+            return self.abort(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+        done = self._leave(ended)
+        s = self.stats
+        s.steps += 1
+        took = time.perf_counter() - start
+        s.decode_step_seconds = took if s.steps == 1 else _avg(s.decode_step_seconds, took)
+        return done
+
+    def _read(self, row: _Seq) -> bool:
+        """Read the row's last sampled token back and stream it; True when it ended."""
+        if row.unread is not None:
+            sampled = _read(row.unread)
+            row.unread = None
+            if row.matcher is not None:
+                row.matcher.advance(sampled.token_id)
+            if row.out.accept(sampled):
+                return True
+        if row.handle.cancelled:
+            row.out.progress.reason = FinishReason.CANCELLED
+            return True
+        return False
+
+    def _leave(self, ended: list[int]) -> list[tuple[RequestHandle, Finished]]:
+        if not ended:
+            return []
+        done = []
+        for i in ended:
+            row = self._rows[i]
+            caches = self._batch.row(i) if self._batch is not None else row.caches
+            assert caches is not None
+            held = caches[0].offset
+            tokens = (row.out.progress.prompt + tuple(row.out.progress.generated))[:held]
+            self._writebacks.append((caches, tokens))
+            done.append((row.handle, self._finished(row)))
+        if self._batch is not None:
+            self._batch.remove(ended)
+        self._rows = [r for i, r in enumerate(self._rows) if i not in set(ended)]
+        if not self._rows:
+            self._batch = None
+        return done
+
+    # -- prefill --
+
+    def _chunk(self, seq: _Seq) -> int:
+        cap = seq.request.prefill_chunk or self.prefill_chunk
+        if not self._rows:
+            return cap
+        if self._prefill_rate <= 0:
+            return min(cap, 4 * MIN_PREFILL_CHUNK)
+        budget = PREFILL_SHARE * self.stats.decode_step_seconds
+        return max(MIN_PREFILL_CHUNK, min(cap, int(self._prefill_rate * budget)))
+
+    def _prefill_step(self) -> list[tuple[RequestHandle, Finished]]:
+        seq = self._queue[0]
+        if seq.prefill is None and not self._fits(seq):
+            return []  # waits (first in line) until running sequences free memory
+        try:
+            if seq.prefill is None:
+                self._begin(seq)
+            assert seq.prefill is not None
+            if seq.handle.cancelled:
+                seq.out.progress.reason = FinishReason.CANCELLED
+                self._queue.popleft()
+                self._end_prefill(seq)
+                return [(seq.handle, self._finished(seq))]
+            n = self._chunk(seq)
+            started = time.perf_counter()
+            ran = seq.prefill.run(self.model, n, lambda at: self._pause(seq, at))
+            took = time.perf_counter() - started
+            if ran > 0 and took > 0:
+                rate = ran / took
+                self._prefill_rate = (
+                    rate if self._prefill_rate <= 0 else _avg(self._prefill_rate, rate)
+                )
+                self.stats.prefill_chunk_tokens = ran
+            if seq.prefill.done:
+                self._join(seq)
+        except Exception as exc:
+            log.exception("prefill failed")
+            if seq.prefill is not None:
+                self.prefix.discard(seq.prefill.lease)
+                seq.prefill = None
+            self._queue.popleft()
+            seq.out.progress.reason = FinishReason.ERROR
+            self.trie_changed = True
+            return [(seq.handle, self._finished(seq, f"{type(exc).__name__}: {exc}"))]
+        return []
+
+    def _fits(self, seq: _Seq) -> bool:
+        """Whether the batch's caches, with `seq` joined and every row at its longest
+        (prompt + max_tokens; rows are padded to the longest), stay within the budget.
+        Alone, a sequence always runs: the context length bounds it."""
+        per_token, per_row = self._row_bytes
+        if not self._rows or not self.memory_bytes or not per_token:
+            return True
+        longest = max(len(r.out.progress.prompt) + r.out.max_tokens for r in [*self._rows, seq])
+        rows = len(self._rows) + 1
+        return rows * (longest * per_token + per_row) <= self.memory_bytes
+
+    def _pause(self, seq: _Seq, at: int) -> None:
+        assert seq.prefill is not None
+        self.prefix.snapshot_at(seq.prefill.lease, at)
+
+    def _begin(self, seq: _Seq) -> None:
+        self._write_back()  # the trie's live caches are free only between prefills
+        req = seq.request
+        lease = self.prefix.begin(req.prompt_tokens, pin=req.pin, boundaries=req.boundaries)
+        self._on_begin(lease)
+        seq.out.progress.reused = lease.reused
+        seq.prefill = _Prefill(lease, req.prompt_tokens)
+        self.trie_changed = True
+
+    def _end_prefill(self, seq: _Seq) -> None:
+        """Record the prompt read so far in the trie and give its live caches back."""
+        assert seq.prefill is not None
+        held = seq.prefill.offset
+        self.prefix.end(seq.prefill.lease, seq.request.prompt_tokens[:held])
+        seq.prefill = None
+        self.trie_changed = True
+
+    def _join(self, seq: _Seq) -> None:
+        """The prompt (all but its last token) is in: copy the caches into the batch."""
+        assert seq.prefill is not None
+        caches = seq.prefill.caches
+        seq.input = mx.array(seq.request.prompt_tokens[-1:], dtype=mx.int32)
+        if self._batched and seq.prefill.offset == 0:
+            self._first_alone(seq, caches)  # nothing to join with yet: one token alone
+        if self._batched:
+            if self._batch is None:
+                self._batch = BatchCaches(caches)
+            self._batch.add(caches)
+            self._row_bytes = self._batch.bytes_per_token()
+        else:
+            seq.caches = _copy(caches, self._make())
+        self._queue.popleft()
+        self._end_prefill(seq)
+        self._rows.append(seq)
+
+    def _first_alone(self, seq: _Seq, caches: list[Any]) -> None:
+        """A one-token prompt: its first step runs alone so its caches hold a token."""
+        assert seq.input is not None
+        hidden = self.model.forward(seq.input.reshape(1, 1), caches)
+        mask = seq.matcher.mask() if seq.matcher is not None else None
+        seq.unread = seq.sampler.sample(self.model.logits(hidden[:, -1, :]), mask)
+        seq.input = seq.unread.token
+        mx.eval([*_sample_arrays(seq.unread), *[a for c in caches for a in c.state]])
+        assert seq.prefill is not None
+        seq.prefill.offset += 1
+
+    # -- back to the trie --
+
+    def _write_back(self) -> None:
+        while self._writebacks:
+            caches, tokens = self._writebacks.popleft()
+            if tokens:
+                self.prefix.adopt(tokens, caches)
+                self.trie_changed = True
+
+    def _finished(self, seq: _Seq, error: str | None = None) -> Finished:
+        p = seq.out.progress
+        end = time.perf_counter()
+        first = p.first_at if p.first_at is not None else end
+        stats = GenerationStats(
+            prompt_tokens=len(p.prompt),
+            completion_tokens=len(p.generated),
+            cached_tokens=p.reused,
+            prefill_seconds=first - seq.start,
+            decode_seconds=end - first,
+            peak_memory_bytes=int(mx.get_peak_memory()),
+        )
+        log.debug(
+            "request %s: prompt=%d reused=%d computed=%d completion=%d "
+            "prefill=%.1f tok/s decode=%.1f tok/s",
+            p.reason.value, stats.prompt_tokens, p.reused, stats.prompt_tokens - p.reused,
+            stats.completion_tokens, stats.prefill_tps, stats.decode_tps,
+        )  # fmt: skip
+        return Finished(p.reason, stats, error, stop_string=p.stop_string)
+
+
+def _avg(old: float, new: float) -> float:
+    return (1 - _EMA) * old + _EMA * new
+
+
+def _copy(caches: Sequence[Any], fresh: list[Any]) -> list[Any]:
+    """Copies of `caches` (through their own snapshots), for a row that decodes alone."""
+    for src, dst in zip(caches, fresh, strict=True):
+        if src.offset and not dst.restore(src.snapshot(0), src.offset):
+            raise RuntimeError(f"{type(src).__name__} could not be copied")
+    return fresh
