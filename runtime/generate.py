@@ -138,8 +138,14 @@ def generate_tokens(
     if max_tokens <= 0:
         return
     rest = prefill(
-        model, caches, prompt, chunk=prefill_chunk, cancelled=cancelled,
-        offset=offset, pauses=pauses, on_pause=on_pause,
+        model,
+        caches,
+        prompt,
+        chunk=prefill_chunk,
+        cancelled=cancelled,
+        offset=offset,
+        pauses=pauses,
+        on_pause=on_pause,
     )
     if cancelled():
         raise Cancelled

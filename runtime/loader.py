@@ -41,9 +41,11 @@ from mlx.nn.layers.base import Module
 from mlx.nn.layers.quantized import quantize as quantize_modules
 
 from runtime import backend
+from runtime.images import VisionSpec
 from runtime.models import build_model
 from runtime.models.base import LanguageModel
 from runtime.tokenizer import Tokenizer, read_chat_template
+from runtime.vision import vision_spec
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,8 @@ class LoadedModel:
     # generation_config.json as the model's authors wrote it (a GGUF's general.sampling.*
     # metadata under the same names): their recommended sampling, among other things
     generation_config: Mapping[str, Any] = field(default_factory=dict)
+    # for a vision model: its image placeholder and preprocessing; None for text models
+    vision: VisionSpec | None = None
 
 
 def resolve_dtype(dtype: str | None, default: str | None = None) -> tuple[str, mx.Dtype]:
@@ -354,6 +358,15 @@ def _cast_floats(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.
 _FLOAT32_KEYS = ("e_score_correction_bias",)
 
 
+def _without_vision(config: dict[str, Any], weights: Mapping[str, mx.array]) -> dict[str, Any]:
+    """A multimodal config whose checkpoint has no vision weights (a text-only
+    conversion) builds the text model alone."""
+    if "vision_config" not in config or any("vision" in name for name in weights):
+        return config
+    log.info("the checkpoint has no vision weights: serving the text model only")
+    return {k: v for k, v in config.items() if k != "vision_config"}
+
+
 def _load_folder(folder: Path, dtype: str | None, keep_quantized: bool) -> LoadedModel:
     config = _read_config(folder)
     weights = _read_weights(_safetensors_files(folder))
@@ -361,7 +374,7 @@ def _load_folder(folder: Path, dtype: str | None, keep_quantized: bool) -> Loade
     dtype_name, mx_dtype = resolve_dtype(
         dtype, _scales_dtype(weights) if quant is not None and keep_quantized else None
     )
-    model = build_model(config)
+    model = build_model(_without_vision(config, weights))
     quantized = False
     if quant is not None and not keep_quantized:
         weights = _dequantize_all(weights, quant, mx_dtype)
@@ -391,6 +404,7 @@ def _load_folder(folder: Path, dtype: str | None, keep_quantized: bool) -> Loade
         quantized=quantized,
         dtype=dtype_name,
         generation_config=generation,
+        vision=vision_spec(model, tokenizer.id_to_token, folder),
     )
 
 

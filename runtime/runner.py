@@ -166,6 +166,10 @@ class ModelRunner:
             self._stream = mx.new_stream(mx.default_device())
         with self.lock, mx.stream(self._stream):
             done = self.scheduler.step()
+            if self.scheduler.idle:
+                # a finished row's last step may still run on the device: let it end
+                # here, not at interpreter exit
+                mx.synchronize(self._stream)
             if self.scheduler.trie_changed or done:
                 self._settled = self._settle()
         return done

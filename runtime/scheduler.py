@@ -32,10 +32,11 @@ import mlx.core as mx
 
 from runtime.cache.batch import BatchCaches, batchable
 from runtime.generate import CausalLM, _read, _sample_arrays
-from runtime.prefix_cache import Lease, PrefixCache
+from runtime.prefix_cache import Key, Lease, PrefixCache
 from runtime.sampling import Sampler, SampleResult
 from runtime.sequence import SequenceOutput
 from runtime.types import Finished, FinishReason, GenerationStats
+from runtime.vision import PromptImages
 
 if TYPE_CHECKING:
     from runtime.constraints import TokenMatcher
@@ -63,12 +64,17 @@ class SchedulerStats:
 class _Prefill:
     """A prompt read into its caches in chunks, pausing at the trie's snapshot points."""
 
-    def __init__(self, lease: Lease[Any], prompt: Sequence[int]) -> None:
+    def __init__(
+        self, lease: Lease[Any], prompt: Sequence[int], images: PromptImages | None = None
+    ) -> None:
         self.lease = lease
         self.caches = lease.caches
         self.rest = list(prompt[lease.reused : -1])  # the last token starts decoding
         self.offset = lease.reused
         self.marks = [p for p in lease.snapshot_points if p > self.offset]
+        self.images = images  # a chunk never ends inside an image's span
+        if images is not None:
+            self.marks = images.marks(self.marks)
 
     @property
     def done(self) -> bool:
@@ -83,7 +89,11 @@ class _Prefill:
             n = min(n, self.marks[0] - self.offset)
         if n <= 0:
             return 0
-        model.forward(mx.array(self.rest[:n], dtype=mx.int32)[None], self.caches)
+        if self.images is None:
+            model.forward(mx.array(self.rest[:n], dtype=mx.int32)[None], self.caches)
+        else:
+            n = self.images.chunk(self.offset, n)
+            self.images.forward(self.rest[:n], self.caches, self.offset)
         mx.eval([a for c in self.caches for a in c.state])
         mx.clear_cache()
         self.rest = self.rest[n:]
@@ -104,6 +114,7 @@ class _Seq:
     caches: list[Any] | None = None  # its own caches, when the model's cannot batch
     input: mx.array | None = None  # (1,) the token the next step feeds
     unread: SampleResult | None = None  # sampled on the device, not yet read
+    images: PromptImages | None = None  # its prompt's images (prefix-cache keys)
 
     @property
     def request(self) -> Any:
@@ -136,7 +147,7 @@ class Scheduler:
         self._batch: BatchCaches | None = None
         self._rows: list[_Seq] = []
         self._queue: deque[_Seq] = deque()  # admitted, prompt not yet in
-        self._writebacks: deque[tuple[list[Any], tuple[int, ...]]] = deque()
+        self._writebacks: deque[tuple[list[Any], tuple[Key, ...]]] = deque()
         self._prefill_rate = 0.0  # tokens/s of recent prefill chunks
         self.trie_changed = False
         self.stats = SchedulerStats()
@@ -263,7 +274,8 @@ class Scheduler:
             assert caches is not None
             held = caches[0].offset
             tokens = (row.out.progress.prompt + tuple(row.out.progress.generated))[:held]
-            self._writebacks.append((caches, tokens))
+            keys = tokens if row.images is None else row.images.keys(tokens)
+            self._writebacks.append((caches, keys))
             done.append((row.handle, self._finished(row)))
         if self._batch is not None:
             self._batch.remove(ended)
@@ -337,17 +349,19 @@ class Scheduler:
     def _begin(self, seq: _Seq) -> None:
         self._write_back()  # the trie's live caches are free only between prefills
         req = seq.request
-        lease = self.prefix.begin(req.prompt_tokens, pin=req.pin, boundaries=req.boundaries)
+        seq.images = PromptImages.of(self.model, req.images, req.prompt_tokens)
+        keys = req.prompt_tokens if seq.images is None else seq.images.keys(req.prompt_tokens)
+        lease = self.prefix.begin(keys, pin=req.pin, boundaries=req.boundaries)
         self._on_begin(lease)
         seq.out.progress.reused = lease.reused
-        seq.prefill = _Prefill(lease, req.prompt_tokens)
+        seq.prefill = _Prefill(lease, req.prompt_tokens, seq.images)
         self.trie_changed = True
 
     def _end_prefill(self, seq: _Seq) -> None:
         """Record the prompt read so far in the trie and give its live caches back."""
         assert seq.prefill is not None
         held = seq.prefill.offset
-        self.prefix.end(seq.prefill.lease, seq.request.prompt_tokens[:held])
+        self.prefix.end(seq.prefill.lease, seq.prefill.lease.tokens[:held])
         seq.prefill = None
         self.trie_changed = True
 

@@ -93,6 +93,24 @@ class Constraint:
 
 
 @dataclass(frozen=True)
+class PromptImage:
+    """An image in the prompt: its preprocessed pixels and where its placeholder span
+    sits. The span's prompt tokens all hold the model's image token id; the prefix cache
+    keys them by `digest`, a hash of the pixels, so different images never share state.
+    `pixels` are float32, C-contiguous, of `shape` (channels, height, width)."""
+
+    pixels: bytes = field(repr=False)
+    shape: tuple[int, int, int]
+    digest: str
+    start: int  # offset of the span's first token in prompt_tokens
+    length: int  # the span's tokens (the model's tokens per image)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One generation, as the engine sees it: tokens in, token events out."""
 
@@ -106,6 +124,7 @@ class GenerationRequest:
     # where the prompt's messages start: restore points for layers that cannot rewind
     boundaries: tuple[int, ...] = ()
     constraint: Constraint | None = None  # a grammar every sampled token must keep to
+    images: tuple[PromptImage, ...] = ()  # in prompt order, spans not overlapping
 
 
 class FinishReason(str, Enum):

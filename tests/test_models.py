@@ -131,7 +131,12 @@ def test_gemma3_multimodal_config_defaults_and_layer_pattern() -> None:
                 "rope_scaling": {"rope_type": "linear", "factor": 8.0},
                 "sliding_window": 16,
             },
-            "vision_config": {"model_type": "siglip_vision_model"},
+            # the geometry of every Gemma 3 vision tower (SigLIP's defaults do not pool)
+            "vision_config": {
+                "model_type": "siglip_vision_model",
+                "image_size": 896,
+                "patch_size": 14,
+            },
         }
     )
     args: Any = model.args

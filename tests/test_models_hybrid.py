@@ -263,7 +263,7 @@ def test_converted_checkpoints_load_the_same(name: str, tiny: TinyModels) -> Non
 
 def test_linear_layer_rejects_an_attention_cache(tiny: TinyModels) -> None:
     model = load_mlx(tiny["qwen3_5_text"][1])
-    with pytest.raises(TypeError, match="RecurrentCache"):
+    with pytest.raises(TypeError, match="recurrent cache"):
         model(mx.array(_tokens(4)), [KVCache() for _ in range(3)])
 
 

@@ -9,6 +9,7 @@ from starlette.responses import JSONResponse
 
 from gateway.core.errors import InvalidRequest, Unprocessable
 from gateway.core.http import read_json, served_model, validate
+from gateway.core.images import expand_markers, image_sources, require_vision
 from gateway.core.plan import render_options
 from gateway.core.served import ServedModel
 from gateway.openai import adapt as adapters
@@ -34,6 +35,11 @@ def _chat_tokens(served: ServedModel, req: TokenizeRequest) -> list[int]:
         raise Unprocessable(
             f"The model's chat template rejected these messages: {exc}", param="messages"
         ) from None
+    sources = image_sources(messages)
+    if sources:
+        # each image counts as its placeholder's tokens; the images themselves are not read
+        spec = require_vision(served.loaded.vision, served.id, "messages")
+        text = expand_markers(text, spec, len(sources), "messages")
     return served.loaded.tokenizer.encode_prompt(text)
 
 

@@ -100,7 +100,7 @@ async def messages(request: Request) -> Response:
     wanted = requests_for(
         prep.tokens, max_tokens, plan.sampling, plan.stop, 1,
         pin=plan.pin, reasoning=prep.reasoning, boundaries=prep.boundaries,
-        constraint=prep.constraint,
+        constraint=prep.constraint, images=prep.images,
     )  # fmt: skip
     gens = submit(served, wanted, settings, request.app.state.metrics)
     out = MessageOutput(

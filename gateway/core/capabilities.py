@@ -62,9 +62,10 @@ def detect(
     chat_template: str | None,
     builtin_family: str | None,
     parser_override: str | None = None,
+    vision: bool = False,
 ) -> Capabilities:
     """`builtin_family`: the built-in renderer in use (None when the model's own
-    template renders)."""
+    template renders); `vision`: the loaded model reads images (runtime.vision)."""
     text = chat_template if builtin_family is None else None
     parser = "passthrough"
     tools = thinking = False
@@ -81,7 +82,7 @@ def detect(
     if parser_override:
         parser = parser_override
     chat = text is not None or builtin_family is not None
-    return Capabilities(chat, tools, thinking, False, parser, builtin_family)
+    return Capabilities(chat, tools, thinking, vision and chat, parser, builtin_family)
 
 
 def tool_call_opener(parser: str, name: str | None) -> str | None:

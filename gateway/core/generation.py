@@ -34,6 +34,7 @@ from runtime.types import (
     GenerationEvent,
     GenerationRequest,
     PrefixPin,
+    PromptImage,
     ReasoningBudget,
     SamplingParams,
     TextDelta,
@@ -65,11 +66,13 @@ def requests_for(
     reasoning: ReasoningBudget | None = None,
     boundaries: tuple[int, ...] = (),
     constraint: Constraint | None = None,
+    images: tuple[PromptImage, ...] = (),
 ) -> list[GenerationRequest]:
     """`pin` (a plan's CachePin) keeps the prompt's cached prefix ahead in eviction;
     `reasoning` closes the reasoning block after its budget of tokens; `boundaries`
     (where messages start) are restore points for hybrid models' prefix cache;
-    `constraint` is the grammar every choice keeps to (a prepared request's)."""
+    `constraint` is the grammar every choice keeps to (a prepared request's);
+    `images` sit on their placeholder spans of `prompt`."""
     held = None if pin is None else PrefixPin(ttl=pin.ttl, key=pin.key)
     if reasoning is not None:
         sampling = dataclasses.replace(sampling, reasoning_budget=reasoning)
@@ -82,6 +85,7 @@ def requests_for(
             pin=held,
             boundaries=boundaries,
             constraint=constraint,
+            images=images,
         )
         for i in range(count)
     ]

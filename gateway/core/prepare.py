@@ -9,11 +9,12 @@ from dataclasses import dataclass
 import parsers
 from gateway.core.capabilities import tool_call_opener
 from gateway.core.errors import InvalidRequest, Unprocessable
+from gateway.core.images import expand_markers, image_sources, load_images, require_vision
 from gateway.core.plan import ChatPlan, has_images
 from gateway.core.served import ServedModel
 from gateway.core.structured import forced_call, request_constraint
 from parsers.events import Event
-from runtime.types import Constraint, ReasoningBudget
+from runtime.types import Constraint, PromptImage, ReasoningBudget
 from templates import TURN_OPENERS, TemplateError
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class Prepared:
     reasoning: ReasoningBudget | None = None  # closes the reasoning block after N tokens
     boundaries: tuple[int, ...] = ()  # where each message starts, in tokens
     constraint: Constraint | None = None  # the grammar the output keeps to
+    images: tuple[PromptImage, ...] = ()  # preprocessed, placed on their token spans
 
 
 def check_chat(served: ServedModel, *, param: str = "messages") -> None:
@@ -61,8 +63,13 @@ def render(served: ServedModel, plan: ChatPlan) -> str:
 
 
 def prepare(served: ServedModel, plan: ChatPlan) -> Prepared:
-    """Render and encode (slow for long conversations: call it off the event loop)."""
+    """Render and encode (slow for long conversations: call it off the event loop);
+    images are fetched, decoded and preprocessed here too."""
     text = render(served, plan)
+    sources = image_sources(plan.messages)
+    spec = require_vision(served.loaded.vision, served.id, plan.messages_field) if sources else None
+    if spec is not None:
+        text = expand_markers(text, spec, len(sources), plan.messages_field)
     caps = served.caps
     think: parsers.ThinkMode = parsers.think_mode(text) if caps.thinking else False
     prefix = ""
@@ -89,10 +96,14 @@ def prepare(served: ServedModel, plan: ChatPlan) -> Prepared:
     # a template that closed the block itself (thinking off) leaves no reasoning to skip
     lead = False if text.rstrip().endswith("</think>") else think
     constraint = request_constraint(plan, caps.parser, lead, served.loaded.tokenizer, forced)
+    images: tuple[PromptImage, ...] = ()
+    if spec is not None:
+        policy = served.image_policy
+        images = load_images(spec, sources, tokens, policy, plan.messages_field)
     return Prepared(
         tokens, caps.parser, think, prefix, _budget(served, plan, think, inside),
-        message_starts(served, tokens), constraint,
-    )
+        message_starts(served, tokens), constraint, images,
+    )  # fmt: skip
 
 
 def message_starts(served: ServedModel, tokens: list[int]) -> tuple[int, ...]:

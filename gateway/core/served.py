@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from gateway.core.capabilities import Capabilities
 from gateway.core.errors import InvalidRequest, NotFound
+from gateway.core.images import ImagePolicy
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
@@ -34,6 +35,7 @@ class ServedModel:
     # request leaves out: temperature, top_p, top_k, min_p, repetition_penalty
     sampling_defaults: Mapping[str, float] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
+    image_policy: ImagePolicy = field(default_factory=ImagePolicy)  # limits, URL fetching
 
     @property
     def context_length(self) -> int:

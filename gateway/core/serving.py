@@ -59,6 +59,7 @@ def build_served(
         chat_template=model.chat_template if family is None else None,
         builtin_family=family,
         parser_override=settings.parser,
+        vision=model.vision is not None,
     )
     if isinstance(renderer, MissingTemplateRenderer):
         log.warning("%s has no chat template; only raw completions will work", model_id)

@@ -54,6 +54,7 @@ async def chat_completions(request: Request) -> Response:
     wanted = requests_for(
         prep.tokens, max_tokens, plan.sampling, plan.stop, plan.n,
         pin=plan.pin, boundaries=prep.boundaries, constraint=prep.constraint,
+        images=prep.images,
     )  # fmt: skip
     gens = submit(served, wanted, settings, request.app.state.metrics)
     fmt = ChatStream(model=served.id)

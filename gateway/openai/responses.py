@@ -75,6 +75,7 @@ async def create_response(request: Request) -> Response:
     wanted = requests_for(
         prep.tokens, max_tokens, plan.sampling, plan.stop, 1,
         pin=plan.pin, boundaries=prep.boundaries, constraint=prep.constraint,
+        images=prep.images,
     )  # fmt: skip
     gens = submit(served, wanted, settings, request.app.state.metrics)
     builder = ResponseBuilder(

@@ -84,6 +84,8 @@ class BatchTokenCache:
         within the sliding window if this layer has one."""
         window = self._window if self._window is not None else window
         total = self._cols + length
+        if length == 1 and not any(self._left) and (window is None or total <= window):
+            return None  # no padding, nothing out of the window: every key is seen
         k_col = mx.arange(total)[None, None, None, :]
         q_col = mx.arange(self._cols, total)[None, None, :, None]
         left = mx.array(self._left, dtype=mx.int32)[:, None, None, None]

@@ -27,6 +27,9 @@ _ARCHITECTURES: Mapping[str, str] = MappingProxyType(
         "deepseek_v3": "deepseek_v3",
     }
 )
+# model_type -> module, for configs with a vision_config (the text model plus its vision
+# tower: runtime.vision.VisionModel)
+_VISION_ARCHITECTURES: Mapping[str, str] = MappingProxyType({"gemma3": "gemma3_vision"})
 
 
 def supported_model_types() -> list[str]:
@@ -44,6 +47,8 @@ def build_model(config: Mapping[str, Any]) -> LanguageModel:
         raise ValueError(
             f"unsupported model_type {model_type!r}; supported: {', '.join(supported_model_types())}"
         )
+    if isinstance(config.get("vision_config"), Mapping):
+        module_name = _VISION_ARCHITECTURES.get(str(model_type), module_name)
     module = importlib.import_module(f"runtime.models.{module_name}")
     args = module.ModelArgs.from_config(config)
     model: LanguageModel = module.Model(args)

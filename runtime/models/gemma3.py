@@ -5,32 +5,37 @@ Differences from llama: embeddings scaled by sqrt(hidden) in the weight dtype, R
 query_pre_attn_scalar**-0.5, gelu (tanh), and interleaved sliding-window layers (local
 rope base) with global layers (global rope base, optionally linearly scaled).
 Like transformers, attn_logit_softcapping is ignored (a gemma2 setting gemma3 dropped);
-final_logit_softcapping is applied.
+final_logit_softcapping is applied. A prefill chunk holding images (gemma3_vision.py) opens
+each image's span in the attention mask: its positions see each other both ways.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import mlx.core as mx
+import numpy as np
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.embedding import Embedding
 
-from runtime.cache import Cache
+from runtime.cache import Cache, Mask, window_mask
 from runtime.models.base import (
     FULL_ATTENTION,
     MLP,
     SLIDING_ATTENTION,
+    Attention,
     CausalLM,
     RMSNorm,
     config_float,
     config_int,
     optional_float,
 )
-from runtime.models.decoder import make_attention
 from runtime.models.rope import RoPE, RopeSpec, parse_rope
+
+# [start, end) of each image's positions within a prefill chunk, in order
+ImageSpans: TypeAlias = Sequence[tuple[int, int]]
 
 # Prefixes of multimodal checkpoints: the text model's, then the vision parts we drop.
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.", ""))
@@ -136,17 +141,62 @@ class ModelArgs:
         )
 
 
+def open_image_spans(
+    base: Mask, length: int, keys: int, spans: ImageSpans, window: int | None
+) -> mx.array:
+    """`base`, a cache's mask for `length` queries (the last of `keys` positions), with
+    each image span of the chunk opened both ways: transformers' mask for token_type_ids,
+    OR(causal, same image), AND the sliding window where the layer has one."""
+    allowed = base if isinstance(base, mx.array) else window_mask(length, keys, None)
+    ids = np.full(keys, -1, dtype=np.int32)
+    for n, (start, end) in enumerate(spans):
+        ids[keys - length + start : keys - length + end] = n
+    key_ids = mx.array(ids)
+    query_ids = key_ids[keys - length :, None]
+    same = (query_ids == key_ids[None, :]) & (query_ids >= 0)
+    if window is not None:
+        distance = mx.arange(keys - length, keys)[:, None] - mx.arange(keys)[None, :]
+        same = same & (distance < window)
+    return allowed | same
+
+
+class _Attention(Attention):
+    """The shared attention, plus the path of a prefill chunk holding image spans."""
+
+    def __call__(self, x: mx.array, cache: Cache, spans: ImageSpans | None = None) -> mx.array:
+        if not spans:
+            return super().__call__(x, cache)
+        batch, length, _ = x.shape
+        q = self.q_proj(x).reshape(batch, length, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
+        q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        offset = cache.offset
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        base = cache.make_mask(length, self.window)
+        k, v = cache.update_and_fetch(k, v)
+        mask = open_image_spans(base, length, k.shape[2], spans, self.window)
+        # not base.attention: its query blocks would hide an image's later keys
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
 class DecoderLayer(Module):
     def __init__(self, args: ModelArgs, rope: RoPE, layer_type: str) -> None:
         super().__init__()
         sliding = layer_type == SLIDING_ATTENTION
         dims, eps = args.hidden_size, args.rms_norm_eps
-        self.self_attn = make_attention(
-            args,
+        self.self_attn = _Attention(
+            dims,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
             rope,
             qkv_bias=args.attention_bias,
             o_bias=args.attention_bias,
             qk_norm="gemma",
+            norm_eps=eps,
             scale=args.query_pre_attn_scalar**-0.5,
             window=args.sliding_window if sliding else None,
         )
@@ -156,8 +206,9 @@ class DecoderLayer(Module):
         self.pre_feedforward_layernorm = RMSNorm(dims, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(dims, eps, unit_offset=True)
 
-    def __call__(self, x: mx.array, cache: Cache) -> mx.array:
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache))
+    def __call__(self, x: mx.array, cache: Cache, spans: ImageSpans | None = None) -> mx.array:
+        attn = self.self_attn(self.input_layernorm(x), cache, spans)
+        h = x + self.post_attention_layernorm(attn)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
@@ -178,13 +229,21 @@ class TextModel(Module):
         ]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, unit_offset=True)
 
-    def __call__(self, tokens: mx.array, caches: Sequence[Cache]) -> mx.array:
+    def embed(self, tokens: mx.array) -> mx.array:
         h = self.embed_tokens(tokens)
         # transformers rounds the scale to the weight dtype first (bf16: sqrt(3072) -> 55.5)
-        h = h * mx.array(self.embed_scale, dtype=h.dtype)
+        return h * mx.array(self.embed_scale, dtype=h.dtype)
+
+    def run(
+        self, h: mx.array, caches: Sequence[Cache], spans: ImageSpans | None = None
+    ) -> mx.array:
+        """The layers and final norm over embeddings `h`; `spans` open images' masks."""
         for layer, cache in zip(self.layers, caches, strict=True):
-            h = layer(h, cache)
+            h = layer(h, cache, spans)
         return self.norm(h)
+
+    def __call__(self, tokens: mx.array, caches: Sequence[Cache]) -> mx.array:
+        return self.run(self.embed(tokens), caches)
 
 
 class Model(CausalLM):
