@@ -39,8 +39,11 @@ ENV_SWITCH = "MLX_GATEWAY_CPU_ATTENTION"
 ENV_THREADS = "MLX_GATEWAY_CPU_THREADS"
 ENV_ISA = "MLX_GATEWAY_CPU_ISA"  # "generic": the portable code even where AVX2 exists
 # Fewer rows than this (decode steps, short prompt tails) stay in MLX's lazy graph: the
-# kernels would force an evaluation for little gain.
+# kernels would force an evaluation for little gain...
 MIN_ROWS = 32
+# ...unless there are enough scores (rows x keys) that MLX's scalar exp costs more than
+# the evaluation: a short prefill chunk over a long context (interleaved with decode)
+MIN_SCORES = 4096
 MAX_HEAD_DIM = 512  # the kernel's scratch bound (kernels.c MAX_DIM)
 _LIBRARY_DIR = Path(__file__).resolve().parent.parent / "_cpu"
 _FLOAT_TYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -177,7 +180,8 @@ def attention(
     batch, q_heads, length, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     if (
-        length < MIN_ROWS
+        length < 2
+        or (length < MIN_ROWS and length * keys < MIN_SCORES)
         or keys < length
         or dim > MAX_HEAD_DIM
         or q_heads % kv_heads
