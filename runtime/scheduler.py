@@ -8,9 +8,9 @@ Every `step()` does two things on the engine thread:
    queued on the device before step N's tokens are read back, so detokenizing, stop
    strings and grammar masks run on the host while the device computes.
 2. One prefill chunk for the sequence at the head of the prefill queue, sized so that
-   the running streams wait at most about `PREFILL_SHARE` decode steps for it (the
-   chunk's token rate is measured as it goes); with nothing decoding, a whole
-   `prefill_chunk`. When its prompt is in, the sequence joins the batch.
+   the running streams wait about `PREFILL_SHARE` decode steps for it (the chunk's
+   token rate is measured as it goes; at least `MIN_PREFILL_CHUNK` tokens); with
+   nothing decoding, a whole `prefill_chunk`. When its prompt is in, the sequence joins the batch.
 
 The prefix trie (runtime/prefix_cache.py) has one live path, lent to one prefill at a
 time: a new sequence restores its longest cached prefix there, its prompt is recorded
@@ -44,8 +44,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PREFILL_SHARE = 1.5  # a prefill chunk takes about this many decode steps' time
-MIN_PREFILL_CHUNK = 16
+PREFILL_SHARE = 2.0  # a prefill chunk takes about this many decode steps' time...
+# ...but no fewer tokens than this: every forward pays a fixed cost (reading the weights,
+# on a CPU about one decode step), so tiny chunks would stretch a long prompt's TTFT
+# several times over for little gain in the streams' inter-token latency
+MIN_PREFILL_CHUNK = 64
 _EMA = 0.3  # weight of the newest measurement in the running averages
 
 
@@ -291,7 +294,7 @@ class Scheduler:
         if not self._rows:
             return cap
         if self._prefill_rate <= 0:
-            return min(cap, 4 * MIN_PREFILL_CHUNK)
+            return min(cap, 2 * MIN_PREFILL_CHUNK)
         budget = PREFILL_SHARE * self.stats.decode_step_seconds
         return max(MIN_PREFILL_CHUNK, min(cap, int(self._prefill_rate * budget)))
 
