@@ -218,6 +218,7 @@ def test_disabled_by_env_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_kernels.kernels() is None
     assert cpu_kernels.attention(q, k, v, scale=0.125, causal=True) is None
     assert cpu_kernels.gated_mul(q, q, "silu") is None
+    assert cpu_kernels.linear(q[0, 0, :2], q[0, 0]) is None
     out = base.attention(q, k, v, scale=0.125, mask="causal")
     assert out.shape == q.shape
 
@@ -288,3 +289,32 @@ def test_model_prefill_same_with_and_without_kernels(
     without = _prefill(model, tokens, [100, 80])
     np.testing.assert_allclose(with_kernels, without, atol=1e-4, rtol=0)
     np.testing.assert_allclose(one_shot, without, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("depth_cols", [(64, 96), (77, 13), (896, 130)])
+def test_small_gemm_matches_mlx(rows: int, depth_cols: tuple[int, int], any_isa: Any) -> None:
+    """A linear layer over a few rows (a batched decode step): odd depths exercise the
+    vector tail, odd widths the last work item, 3 and 5 rows a partial pass."""
+    depth, cols = depth_cols
+    mx.random.seed(rows * 100 + depth)
+    x = mx.random.normal((rows, 1, depth))
+    weight = mx.random.normal((cols, depth))
+    got = cpu_kernels.linear(x, weight)
+    assert got is not None and got.shape == (rows, 1, cols)
+    np.testing.assert_allclose(np.array(got), np.array(x @ weight.T), atol=1e-4, rtol=1e-5)
+
+
+def test_linear_layer_uses_the_kernel_only_where_it_applies(built: Any) -> None:
+    from runtime.models.linear import Linear
+
+    layer = Linear(48, 24, bias=True)
+    mx.eval(layer.parameters())
+    few, many = mx.random.normal((2, 3, 48)), mx.random.normal((1, 40, 48))
+    assert cpu_kernels.linear(few, layer.weight) is not None
+    assert cpu_kernels.linear(many, layer.weight) is None  # prefill-sized: MLX's GEMM
+    assert cpu_kernels.linear(few.astype(mx.float16), layer.weight) is None
+    assert cpu_kernels.linear(few, layer.weight.T) is None  # shapes do not fit
+    for x in (few, many):
+        want = x @ layer.weight.T + layer.bias
+        np.testing.assert_allclose(np.array(layer(x)), np.array(want), atol=1e-5, rtol=1e-5)

@@ -347,10 +347,60 @@ TARGET_AVX2 static void gated_avx2(int kind, const float *g, const float *u, flo
 }
 #endif
 
+/* ------------------------------------------------------------ small gemm ---- */
+
+/* out[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (a batched decode step): each row
+ * of w is read from memory once for all of x's rows, which stay in cache. BLAS libraries
+ * pack w for every call at these shapes and run at half the speed of reading it. */
+INLINE float hsum(v8f v) {
+    float t = 0.0f;
+    for (int i = 0; i < 8; i++) t += v[i];
+    return t;
+}
+
+#define GEMM_ROWS 4 /* rows of x per pass over one row of w */
+
+INLINE void gemm_rows(const float *x, const float *w, float *out, int64_t rows, int64_t cols,
+                      int64_t depth, int64_t n0, int64_t n1) {
+    int64_t vec = depth & ~(int64_t)7;
+    for (int64_t n = n0; n < n1; n++) {
+        const float *wn = w + n * depth;
+        for (int64_t m0 = 0; m0 < rows; m0 += GEMM_ROWS) {
+            int64_t mm = rows - m0 < GEMM_ROWS ? rows - m0 : GEMM_ROWS;
+            v8f acc[GEMM_ROWS] = {{0}};
+            for (int64_t k = 0; k < vec; k += 8) {
+                v8f wv = vload(wn + k);
+                UNROLL
+                for (int64_t i = 0; i < GEMM_ROWS; i++)
+                    if (i < mm) acc[i] += wv * vload(x + (m0 + i) * depth + k);
+            }
+            for (int64_t i = 0; i < mm; i++) {
+                float t = hsum(acc[i]);
+                for (int64_t k = vec; k < depth; k++) t += wn[k] * x[(m0 + i) * depth + k];
+                out[(m0 + i) * cols + n] = t;
+            }
+        }
+    }
+}
+
+static void gemm_generic(const float *x, const float *w, float *out, int64_t rows, int64_t cols,
+                         int64_t depth, int64_t n0, int64_t n1) {
+    gemm_rows(x, w, out, rows, cols, depth, n0, n1);
+}
+
+#if HAVE_X86_DISPATCH
+TARGET_AVX2 static void gemm_avx2(const float *x, const float *w, float *out, int64_t rows,
+                                  int64_t cols, int64_t depth, int64_t n0, int64_t n1) {
+    gemm_rows(x, w, out, rows, cols, depth, n0, n1);
+}
+#endif
+
 /* ---------------------------------------------------------------- threads ---- */
 
 typedef void (*ItemFn)(const AttnArgs *, Scratch *, int64_t);
 typedef void (*GatedFn)(int, const float *, const float *, float *, int64_t);
+typedef void (*GemmFn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t,
+                       int64_t);
 
 static int use_avx2(int generic) {
 #if HAVE_X86_DISPATCH
@@ -372,6 +422,9 @@ typedef struct {
     int64_t chunk;
     int kind;
     GatedFn gated_fn;
+    const float *x, *w; /* small gemm: out (rows x cols) = x (rows x depth) @ w^T */
+    int64_t rows, cols, depth;
+    GemmFn gemm_fn;
 } Job;
 
 static void *attn_worker(void *arg) {
@@ -411,6 +464,18 @@ static void *gated_worker(void *arg) {
         if (start >= job->total) break;
         int64_t n = job->total - start < job->chunk ? job->total - start : job->chunk;
         job->gated_fn(job->kind, job->g + start, job->u + start, job->out + start, n);
+    }
+    return NULL;
+}
+
+static void *gemm_worker(void *arg) {
+    Job *job = arg;
+    for (;;) {
+        int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        int64_t start = item * job->chunk;
+        if (start >= job->cols) break;
+        int64_t end = start + job->chunk < job->cols ? start + job->chunk : job->cols;
+        job->gemm_fn(job->x, job->w, job->out, job->rows, job->cols, job->depth, start, end);
     }
     return NULL;
 }
@@ -465,6 +530,29 @@ EXPORT int mlxgw_gated_mul(const float *g, const float *u, float *out, int64_t n
 #endif
     if (threads < 1 || n < 2 * job.chunk) threads = 1; /* small inputs: not worth a thread */
     run_threads(gated_worker, &job, threads);
+    return 0;
+}
+
+/* out (rows x cols) = x (rows x depth) @ w^T, w being (cols x depth), all row-major float32:
+ * a linear layer over a few rows. */
+EXPORT int mlxgw_small_gemm(const float *x, const float *w, float *out, int64_t rows,
+                            int64_t cols, int64_t depth, int32_t threads, int32_t generic) {
+    if (rows < 1 || cols < 1 || depth < 1) return 1;
+    (void)generic;
+    Job job = {0};
+    job.x = x;
+    job.w = w;
+    job.out = out;
+    job.rows = rows;
+    job.cols = cols;
+    job.depth = depth;
+    job.chunk = 64; /* rows of w per work item */
+    job.gemm_fn = gemm_generic;
+#if HAVE_X86_DISPATCH
+    if (use_avx2(generic)) job.gemm_fn = gemm_avx2;
+#endif
+    if (threads < 1) threads = 1;
+    run_threads(gemm_worker, &job, threads);
     return 0;
 }
 

@@ -10,10 +10,10 @@ import mlx.core as mx
 from mlx.nn.layers.activations import gelu, silu
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.embedding import Embedding
-from mlx.nn.layers.linear import Linear
 
 from runtime.cache import Cache, KVCache, Mask, RotatingKVCache, window_mask
 from runtime.models import cpu_kernels
+from runtime.models.linear import Linear
 from runtime.models.rope import RoPE
 
 FULL_ATTENTION = "full_attention"

@@ -44,6 +44,10 @@ MIN_ROWS = 32
 # ...unless there are enough scores (rows x keys) that MLX's scalar exp costs more than
 # the evaluation: a short prefill chunk over a long context (interleaved with decode)
 MIN_SCORES = 4096
+# A linear layer over at most this many rows (decode steps, one per running sequence) runs
+# in the small-GEMM kernel: it reads each weight row once for all rows, where the BLAS
+# packs the weights on every call and runs at half the speed of reading them
+MAX_GEMM_ROWS = 8
 MAX_HEAD_DIM = 512  # the kernel's scratch bound (kernels.c MAX_DIM)
 _LIBRARY_DIR = Path(__file__).resolve().parent.parent / "_cpu"
 _FLOAT_TYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -135,6 +139,9 @@ def _load(path: Path | None) -> Kernels | None:
             ctypes.c_int32,
         ]
         lib.mlxgw_gated_mul.restype = ctypes.c_int
+        lib.mlxgw_small_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        lib.mlxgw_small_gemm.argtypes += [ctypes.c_int32] * 2
+        lib.mlxgw_small_gemm.restype = ctypes.c_int
         lib.mlxgw_isa.argtypes = [ctypes.c_int32]
         lib.mlxgw_isa.restype = ctypes.c_char_p
     except (OSError, AttributeError) as exc:
@@ -252,3 +259,30 @@ def gated_mul(gate: mx.array, up: mx.array, activation: str) -> mx.array | None:
     if status != 0:
         return None
     return mx.array(out)
+
+
+def linear(x: mx.array, weight: mx.array) -> mx.array | None:
+    """x @ weight.T for a few float32 rows (`MAX_GEMM_ROWS`), or None to use MLX instead."""
+    rows = x.size // x.shape[-1] if x.ndim else 0
+    if (
+        not 0 < rows <= MAX_GEMM_ROWS
+        or weight.ndim != 2
+        or x.dtype != mx.float32
+        or weight.dtype != mx.float32
+        or weight.shape[1] != x.shape[-1]
+    ):
+        return None
+    lib = kernels()
+    if lib is None:
+        return None
+    mx.eval(x)
+    xn = np.ascontiguousarray(x)
+    wn = np.asarray(weight)
+    if not wn.flags.c_contiguous:
+        return None  # a transposed or sliced weight: not worth a copy per call
+    out = np.empty((*x.shape[:-1], weight.shape[0]), dtype=np.float32)
+    status = lib.lib.mlxgw_small_gemm(
+        xn.ctypes.data, wn.ctypes.data, out.ctypes.data, rows, weight.shape[0],
+        weight.shape[1], lib.threads, int(lib.generic),
+    )  # fmt: skip
+    return mx.array(out) if status == 0 else None

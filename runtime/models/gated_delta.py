@@ -22,9 +22,9 @@ import mlx.core as mx
 from mlx.nn.layers.activations import silu, softplus
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.convolution import Conv1d
-from mlx.nn.layers.linear import Linear
 
 from runtime.cache import RecurrentState
+from runtime.models.linear import Linear
 
 # Prefill chunk of the parallel form (transformers' and FLA's too). On a 2-core CPU,
 # 2048 tokens, 32 heads of 128, 64 measured best (tied with 128 under two BLAS threads;

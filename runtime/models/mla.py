@@ -30,13 +30,13 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
-from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.quantized import QuantizedLinear
 
 from runtime.cache.latent import LatentCache
 from runtime.cache.mask import Mask, window_mask
 from runtime.models import cpu_kernels
 from runtime.models.base import RMSNorm, attention, config_int
+from runtime.models.linear import Linear
 from runtime.models.rope import RoPE, RopeSpec, parse_rope
 
 # transformers and DeepSeek's own code build q_a_layernorm / kv_a_layernorm with the

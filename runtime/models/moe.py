@@ -28,9 +28,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
-from mlx.nn.layers.linear import Linear
 
 from runtime.models.base import MLP, activation
+from runtime.models.linear import Linear
 
 # From this many (token, expert) pairs on, rows are sorted by expert before the gather
 # matmuls: each expert's matrix is then read once per run of rows instead of once per

@@ -26,7 +26,6 @@ from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
-from mlx.nn.layers.linear import Linear
 
 from runtime.cache import Cache, KVCache, LayerCache, RecurrentCache, RecurrentState
 from runtime.models.base import (
@@ -40,6 +39,7 @@ from runtime.models.base import (
 )
 from runtime.models.decoder import DecoderShape, LayerStack, given_layer_types
 from runtime.models.gated_delta import DeltaNetDims, GatedDeltaNet
+from runtime.models.linear import Linear
 from runtime.models.moe import Routing, SparseMoE, stack_experts
 from runtime.models.rope import RoPE, parse_rope
 
