@@ -291,8 +291,8 @@ def test_model_prefill_same_with_and_without_kernels(
     np.testing.assert_allclose(one_shot, without, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("depth_cols", [(64, 96), (77, 13), (896, 130)])
+@pytest.mark.parametrize("rows", [2, 3, 5, 8])
+@pytest.mark.parametrize("depth_cols", [(64, 96), (77, 13), (896, 130), (1024, 2100)])
 def test_small_gemm_matches_mlx(rows: int, depth_cols: tuple[int, int], any_isa: Any) -> None:
     """A linear layer over a few rows (a batched decode step): odd depths exercise the
     vector tail, odd widths the last work item, 3 and 5 rows a partial pass."""
@@ -313,6 +313,7 @@ def test_linear_layer_uses_the_kernel_only_where_it_applies(built: Any) -> None:
     few, many = mx.random.normal((2, 3, 48)), mx.random.normal((1, 40, 48))
     assert cpu_kernels.linear(few, layer.weight) is not None
     assert cpu_kernels.linear(many, layer.weight) is None  # prefill-sized: MLX's GEMM
+    assert cpu_kernels.linear(few[:1, :1], layer.weight) is None  # one row: MLX's GEMV
     assert cpu_kernels.linear(few.astype(mx.float16), layer.weight) is None
     assert cpu_kernels.linear(few, layer.weight.T) is None  # shapes do not fit
     for x in (few, many):

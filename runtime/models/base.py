@@ -258,7 +258,12 @@ def make_layer_caches(layer_types: Sequence[str], sliding_window: int | None) ->
 
 
 def tied_logits(embed: Embedding, lm_head: Linear | None, hidden: mx.array) -> mx.array:
-    return embed.as_linear(hidden) if lm_head is None else lm_head(hidden)
+    if lm_head is not None:
+        return lm_head(hidden)
+    # the embeddings as the output layer: on the CPU a decode step's few rows go through
+    # the small-GEMM kernel, as every other linear layer's do
+    out = cpu_kernels.linear(hidden, embed.weight)
+    return embed.as_linear(hidden) if out is None else out
 
 
 class CausalLM(Module):

@@ -48,6 +48,7 @@ MIN_SCORES = 4096
 # in the small-GEMM kernel: it reads each weight row once for all rows, where the BLAS
 # packs the weights on every call and runs at half the speed of reading them
 MAX_GEMM_ROWS = 8
+GEMM_THREAD_FLOATS = 1 << 21  # weights smaller than this (8 MB) take one thread
 MAX_HEAD_DIM = 512  # the kernel's scratch bound (kernels.c MAX_DIM)
 _LIBRARY_DIR = Path(__file__).resolve().parent.parent / "_cpu"
 _FLOAT_TYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -265,7 +266,7 @@ def linear(x: mx.array, weight: mx.array) -> mx.array | None:
     """x @ weight.T for a few float32 rows (`MAX_GEMM_ROWS`), or None to use MLX instead."""
     rows = x.size // x.shape[-1] if x.ndim else 0
     if (
-        not 0 < rows <= MAX_GEMM_ROWS
+        not 2 <= rows <= MAX_GEMM_ROWS  # one row: MLX's matrix-vector product is as fast
         or weight.ndim != 2
         or x.dtype != mx.float32
         or weight.dtype != mx.float32
@@ -281,8 +282,10 @@ def linear(x: mx.array, weight: mx.array) -> mx.array | None:
     if not wn.flags.c_contiguous:
         return None  # a transposed or sliced weight: not worth a copy per call
     out = np.empty((*x.shape[:-1], weight.shape[0]), dtype=np.float32)
+    # a small matrix is read faster than a thread starts
+    threads = lib.threads if weight.size >= GEMM_THREAD_FLOATS else 1
     status = lib.lib.mlxgw_small_gemm(
         xn.ctypes.data, wn.ctypes.data, out.ctypes.data, rows, weight.shape[0],
-        weight.shape[1], lib.threads, int(lib.generic),
+        weight.shape[1], threads, int(lib.generic),
     )  # fmt: skip
     return mx.array(out) if status == 0 else None
