@@ -168,6 +168,11 @@ class Engine:
         self._drain()
         self._queue.put(None)
         thread.join(timeout)
+        close = getattr(self._runner, "close", None)
+        if close is not None and not thread.is_alive():
+            # MLX arrays left for interpreter shutdown abort the process ("terminate
+            # called without an active exception"): release them while MLX is up
+            close()
 
     @property
     def running(self) -> bool:

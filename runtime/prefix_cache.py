@@ -522,6 +522,18 @@ class PrefixCache(Generic[C]):
         for parent in orphaned.values():
             self._merge_chain(parent, active)
 
+    def close(self) -> None:
+        """Drop every cached state, live and paged out (the server is stopping: MLX
+        arrays must not outlive the engine into interpreter shutdown)."""
+        if self._lease is not None:
+            self.discard(self._lease)
+        for node in list(self._trie.walk()):
+            for snap in node.snapshots:
+                if snap is not None:
+                    snap.close()
+            self._trie.set_snapshots(node, [])
+        self._clear_live()
+
     # -- inspection --
 
     def held_snapshots(self) -> list[Snapshot]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -87,7 +87,7 @@ class ModelRunner:
             max_batch=self.settings.max_batch,
             prefill_chunk=self.settings.prefill_chunk,
             memory_bytes=self.settings.batch_memory_bytes,
-            on_begin=self._log_report,
+            on_begin=_report_logger(loaded.tokenizer),  # not a bound method: no cycle
         )
 
     def grammar_vocabulary(self) -> GrammarVocabulary:
@@ -180,10 +180,30 @@ class ModelRunner:
         with self.lock:
             return self.scheduler.abort(reason, error)
 
+    def close(self) -> None:
+        """Release every MLX array the runner holds (the engine has stopped)."""
+        with self.lock:
+            self.scheduler.abort(FinishReason.CANCELLED, "server shutting down")
+            self.prefix.close()
+            self._stream = None
+
     def load(self) -> tuple[int, int, int, float]:
         s = self.scheduler.stats
         return s.running, s.prefilling, s.steps, s.decode_step_seconds
 
-    def _log_report(self, lease: Lease[Any]) -> None:
+
+def _report_logger(tokenizer: Any) -> Callable[[Lease[Any]], None]:
+    """Logs each lease's cache report at debug level, token ids decoded.
+
+    The runner must not be reachable from its own scheduler: a reference cycle leaves it
+    (and the model's arrays) to the garbage collector's last pass at interpreter exit,
+    after MLX has shut down, which aborts the process."""
+
+    def log_report(lease: Lease[Any]) -> None:
         if lease.report is not None and log.isEnabledFor(logging.DEBUG):
-            log.debug("request %d: %s", lease.serial, lease.report.log_line(self._decode))
+            line = lease.report.log_line(
+                lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+            )
+            log.debug("request %d: %s", lease.serial, line)
+
+    return log_report
