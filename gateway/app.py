@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.admin.debug import prefix_cache
-from gateway.admin.models import get_model, health, list_models
+from gateway.admin.models import get_model, health, health_live, health_ready, list_models
 from gateway.admin.tokenize import detokenize, tokenize
 from gateway.anthropic.routes import count_tokens, messages, root
 from gateway.core.auth import ApiKeyMiddleware
@@ -37,7 +37,9 @@ def _error_response(err: APIError, path: str) -> JSONResponse:
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     if exc.status >= 500:
-        log.error("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
+        # a 503 (draining, restarting) is expected and retried; other 5xx are bugs
+        level = logging.WARNING if exc.status == 503 else logging.ERROR
+        log.log(level, "%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
     return _error_response(exc, request.url.path)
 
 
@@ -101,6 +103,8 @@ def _routes() -> list[Route]:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        Route("/health/live", health_live, methods=["GET"]),
+        Route("/health/ready", health_ready, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/debug/prefix-cache", prefix_cache, methods=["GET"]),
     ]
@@ -118,6 +122,7 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         served = load()
         served.engine.start()
+        served.engine.watch()  # fails and restarts a dead or stalled worker
         app.state.served = served
         log.info("serving %s (context %d)", served.id, served.context_length)
         try:

@@ -1,34 +1,46 @@
 """The engine: exactly one worker thread owns MLX and serves the queued requests.
 
-Requests wait in a bounded queue. Each request gets a handle whose events (text
-deltas, then one Finished) can be consumed from asyncio or from a plain thread.
-Cancelling a handle (a client went away) stops its work within one prefill chunk
-or one decode step. A `BatchRunner` (runtime/runner.py) takes requests from the queue
-whenever its running batch has room and steps them together; a plain `Runner`
-serves one request at a time.
+Requests wait in a bounded queue. Each request gets a handle (runtime/handle.py) whose
+events can be consumed from asyncio or from a plain thread. Cancelling a handle (a
+client went away) stops its work within one prefill chunk or one decode step. A
+`BatchRunner` (runtime/runner.py) takes requests from the queue whenever its running
+batch has room and steps them together; a plain `Runner` serves one request at a time.
+
+A watchdog (`watch()`, started by the server) keeps the engine serving. The worker
+records a heartbeat at every step, admission and idle poll. If the worker dies (an
+exception escaped its loop), every queued and running request ends with an
+`EngineFailure` and a fresh worker starts after a short delay, first resetting the
+runner: `abort` drops the batch and the prefix cache's open lease, and `close` every
+cached array (MLX graphs and streams belong to the thread that made them, so nothing
+the dead worker left unevaluated can be used by another); the model stays loaded.
+
+If the worker makes no step for `stall_seconds` while it has work, its requests fail
+the same way and it is abandoned: a Python thread cannot be killed and it may be inside
+an MLX call, so no second worker starts while it runs. When its step returns it sees it
+was abandoned, resets the runner and leaves; then a fresh worker starts.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol, cast
 
-from runtime.types import (
-    Finished,
-    FinishReason,
-    GenerationEvent,
-    GenerationRequest,
-    GenerationStats,
-)
+from runtime.handle import RequestHandle as RequestHandle  # re-exported: the engine's API
+from runtime.handle import open_handle
+from runtime.types import Finished, FinishReason, GenerationRequest, GenerationStats
 
 log = logging.getLogger(__name__)
+
+DEFAULT_STALL_SECONDS = 300.0  # a CPU prefill chunk of a long prompt can take minutes
+_IDLE_POLL_S = 1.0  # an idle worker wakes this often, so its heartbeat stays fresh
+_MAX_RESTART_DELAY_S = 60.0
+SHUTTING_DOWN = "server shutting down"
 
 
 class QueueFull(Exception):
@@ -39,68 +51,35 @@ class EngineStopped(Exception):
     """The engine is not running."""
 
 
-class _Sink(Protocol):
-    def put(self, event: GenerationEvent) -> None: ...
+class EngineState(str, Enum):
+    STOPPED = "stopped"
+    RUNNING = "running"
+    DRAINING = "draining"  # new requests refused; the queued and running ones go on
+    FAILED = "failed"  # the worker died; a fresh one starts after a delay
+    STALLED = "stalled"  # the worker stopped stepping; a fresh one starts when it returns
 
 
-class _AsyncSink:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
+class EngineUnavailable(EngineStopped):
+    """The engine is started but takes no requests now (see `state`)."""
 
-    def put(self, event: GenerationEvent) -> None:
-        # the loop may have closed under us: then nobody is listening
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+    def __init__(self, message: str, state: EngineState) -> None:
+        super().__init__(message)
+        self.state = state
 
 
-class _ThreadSink:
-    def __init__(self) -> None:
-        self.queue: queue.SimpleQueue[GenerationEvent] = queue.SimpleQueue()
-
-    def put(self, event: GenerationEvent) -> None:
-        self.queue.put(event)
+class EngineFailure(Finished):
+    """How a request ends when the engine failed under it (its worker died or stalled):
+    not the request's fault, so worth retrying once the engine has restarted."""
 
 
-class RequestHandle:
-    """The caller's side of one request: iterate its events, or cancel it."""
-
-    def __init__(self, request: GenerationRequest, sink: _AsyncSink | _ThreadSink) -> None:
-        self.request = request
-        self._sink = sink
-        self._cancel = threading.Event()
-        self.submitted_at = time.perf_counter()
-
-    def cancel(self) -> None:
-        self._cancel.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def _emit(self, event: GenerationEvent) -> None:
-        self._sink.put(event)
-
-    async def __aiter_impl(self) -> AsyncIterator[GenerationEvent]:
-        sink = self._sink
-        assert isinstance(sink, _AsyncSink), "submit() from a thread gives a sync handle"
-        while True:
-            event = await sink.queue.get()
-            yield event
-            if isinstance(event, Finished):
-                return
-
-    def __aiter__(self) -> AsyncIterator[GenerationEvent]:
-        return self.__aiter_impl()
-
-    def __iter__(self) -> Iterator[GenerationEvent]:
-        sink = self._sink
-        assert isinstance(sink, _ThreadSink), "submit() from asyncio gives an async handle"
-        while True:
-            event = sink.queue.get()
-            yield event
-            if isinstance(event, Finished):
-                return
+@dataclass(frozen=True)
+class EngineHealth:
+    state: EngineState
+    heartbeat_age: float | None  # seconds since the worker last stepped, admitted or polled
+    busy: bool
+    restarts: int  # fresh workers started after a failure or a stall
+    failures: int  # worker deaths and stalls
+    last_failure: str | None
 
 
 @dataclass
@@ -145,7 +124,14 @@ class BatchRunner(Protocol):
 
 
 class Engine:
-    def __init__(self, runner: Runner | BatchRunner, *, max_queue: int = 64) -> None:
+    def __init__(
+        self,
+        runner: Runner | BatchRunner,
+        *,
+        max_queue: int = 64,
+        stall_seconds: float = DEFAULT_STALL_SECONDS,
+        restart_delay: float = 1.0,
+    ) -> None:
         self._runner = runner
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue(maxsize=max(1, max_queue))
         self._thread: threading.Thread | None = None
@@ -153,30 +139,110 @@ class Engine:
         # check under this lock makes a group submission all-or-nothing
         self._submit_lock = threading.RLock()
         self.stats = EngineStats()
+        self.stall_seconds = stall_seconds  # no step for this long, with work: stalled
+        self.restart_delay = restart_delay  # before the first restart; doubles per failure
+        # the lifecycle, the submitted-and-unfinished handles, the watchdog's records
+        self._lock = threading.RLock()
+        self._phase = EngineState.STOPPED  # STOPPED, RUNNING, FAILED or STALLED
+        self._draining = False
+        self._generation = 0  # bumped per worker: an abandoned one sees it changed
+        self._abandoned: threading.Thread | None = None
+        self._live: set[RequestHandle] = set()
+        self._beat = time.monotonic()
+        self._restart_at = 0.0
+        self._streak = 0  # failures since a request last finished well
+        self._restarts = 0
+        self._failures = 0
+        self._last_failure: str | None = None
+        self._watcher: threading.Thread | None = None
+        self._unwatch = threading.Event()
 
     # lifecycle -------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._work, name="mlx-engine", daemon=True)
-        self._thread.start()
+        with self._lock:
+            if self._phase is not EngineState.STOPPED:
+                return
+            self._phase = EngineState.RUNNING
+            self._draining = False
+            self._spawn(recover=False)
+
+    def watch(self) -> None:
+        """Start the watchdog thread (the server's lifespan does, after `start`)."""
+        with self._lock:
+            if self._watcher is not None:
+                return
+            self._unwatch.clear()
+            interval = min(0.5, max(0.02, self.stall_seconds / 10))
+            self._watcher = threading.Thread(
+                target=self._monitor, args=(interval,), name="mlx-engine-watchdog", daemon=True
+            )
+            self._watcher.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        thread, self._thread = self._thread, None
-        if thread is None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+            abandoned, self._abandoned = self._abandoned, None
+            watcher, self._watcher = self._watcher, None
+            self._phase, self._draining = EngineState.STOPPED, False
+        self._unwatch.set()
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(timeout)
+        if thread is None and abandoned is None:
             return
         self._drain()
-        self._queue.put(None)
-        thread.join(timeout)
+        if thread is not None and thread.is_alive():
+            self._queue.put(None)
+            thread.join(timeout)
+        # what no worker ended (a stalled one's requests) ends here
+        self._end_all(lambda h: _finished(h, FinishReason.CANCELLED, SHUTTING_DOWN))
         close = getattr(self._runner, "close", None)
-        if close is not None and not thread.is_alive():
+        if close is not None and not any(
+            t is not None and t.is_alive() for t in (thread, abandoned)
+        ):
             # MLX arrays left for interpreter shutdown abort the process ("terminate
             # called without an active exception"): release them while MLX is up
             close()
 
+    def drain(self) -> None:
+        """Refuse new requests (EngineUnavailable); the queued and running ones go on."""
+        with self._lock:
+            if self._phase is not EngineState.STOPPED:
+                self._draining = True
+
+    def cancel_all(self, reason: str = SHUTTING_DOWN) -> int:
+        """End every queued and running request now with Finished(CANCELLED, reason) (a
+        shutdown's grace ran out); the worker drops their work within one step."""
+        return self._end_all(lambda h: _finished(h, FinishReason.CANCELLED, reason))
+
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """Started and not stopped (the worker may be restarting: see `state`)."""
+        return self._phase is not EngineState.STOPPED
+
+    @property
+    def state(self) -> EngineState:
+        phase = self._phase
+        if phase is EngineState.RUNNING and self._draining:
+            return EngineState.DRAINING
+        return phase
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not yet finished (queued or running)."""
+        with self._lock:
+            return len(self._live)
+
+    def health(self) -> EngineHealth:
+        with self._lock:
+            stopped = self._phase is EngineState.STOPPED
+            return EngineHealth(
+                state=self.state,
+                heartbeat_age=None if stopped else max(0.0, time.monotonic() - self._beat),
+                busy=self.stats.busy,
+                restarts=self._restarts,
+                failures=self._failures,
+                last_failure=self._last_failure,
+            )
 
     @property
     def queue_depth(self) -> int:
@@ -190,18 +256,16 @@ class Engine:
     # submission --------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; from asyncio the handle is async-iterable, else iterable."""
-        if not self.running:
-            raise EngineStopped("the engine is not running")
-        sink: _AsyncSink | _ThreadSink
-        try:
-            sink = _AsyncSink(asyncio.get_running_loop())
-        except RuntimeError:
-            sink = _ThreadSink()
-        handle = RequestHandle(request, sink)
+        self._check_open()
+        handle = open_handle(request)
         with self._submit_lock:
+            with self._lock:
+                self._live.add(handle)  # before the worker can see it (and finish it)
             try:
                 self._queue.put_nowait(handle)
             except queue.Full:
+                with self._lock:
+                    self._live.discard(handle)
                 raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
         return handle
 
@@ -217,57 +281,247 @@ class Engine:
                 )
             return [self.submit(r) for r in requests]
 
-    # worker ------------------------------------------------------------------
-    def _drain(self) -> None:
+    def _check_open(self) -> None:
+        state = self.state
+        if state is EngineState.RUNNING:
+            return
+        if state is EngineState.STOPPED:
+            raise EngineStopped("the engine is not running")
+        if state is EngineState.DRAINING:
+            raise EngineUnavailable("the server is shutting down", state)
+        if state is EngineState.STALLED:
+            message = (
+                f"the engine stalled (no step for over {self.stall_seconds:g} s); it "
+                "restarts when its stuck step returns"
+            )
+        else:
+            message = f"the engine failed ({self._last_failure}) and is restarting"
+        raise EngineUnavailable(message, state)
+
+    # ending requests -----------------------------------------------------------
+    def _finish(self, handle: RequestHandle, done: Finished) -> None:
+        """The one way a request ends: deliver `done` unless it already ended."""
+        if not handle._finish(done):
+            return
+        with self._lock:
+            self._live.discard(handle)
+            stats = self.stats
+            if done.reason is FinishReason.CANCELLED:
+                stats.requests_cancelled += 1
+            elif done.reason is FinishReason.ERROR:
+                stats.requests_failed += 1
+            stats.prompt_tokens_total += done.stats.prompt_tokens
+            stats.completion_tokens_total += done.stats.completion_tokens
+
+    def _end_all(self, make: Callable[[RequestHandle], Finished]) -> int:
+        """End every queued and running request with `make(handle)` from any thread (no
+        MLX: the worker drops their work when it sees them cancelled)."""
+        with self._lock:
+            handles = list(self._live)
+        for handle in self._take_queued():
+            if handle not in handles:
+                handles.append(handle)
+        for handle in handles:
+            self._finish(handle, make(handle))
+            handle.cancel()
+        return len(handles)
+
+    def _take_queued(self) -> list[RequestHandle]:
+        taken: list[RequestHandle] = []
+        stop = False
         while True:
             try:
                 handle = self._queue.get_nowait()
             except queue.Empty:
+                break
+            if handle is None:
+                stop = True
+            else:
+                taken.append(handle)
+        if stop:
+            self._queue.put(None)  # a stop() under way still needs its sentinel
+        return taken
+
+    def _drain(self) -> None:
+        for handle in self._take_queued():
+            self._finish(handle, _finished(handle, FinishReason.CANCELLED, SHUTTING_DOWN))
+
+    # watchdog ------------------------------------------------------------------
+    def _monitor(self, interval: float) -> None:
+        while not self._unwatch.wait(interval):
+            try:
+                self._check()
+            except Exception:  # the watchdog must outlive whatever it watches
+                log.exception("engine watchdog check failed")
+
+    def _check(self) -> None:
+        """One watchdog pass: restart a dead or returned worker, abandon a stalled one."""
+        now = time.monotonic()
+        with self._lock:
+            phase, thread = self._phase, self._thread
+            if phase is EngineState.STOPPED:
                 return
-            if handle is not None:
-                handle._emit(_finished(handle, FinishReason.CANCELLED, "server shutting down"))
+            if phase is EngineState.STALLED:
+                if self._abandoned is None or not self._abandoned.is_alive():
+                    self._abandoned = None
+                    self._respawn()
+                return
+            if thread is not None and thread.is_alive():
+                silent = now - self._beat
+                if phase is EngineState.RUNNING and self.stats.busy and silent > self.stall_seconds:
+                    self._abandon(thread, silent)
+                return
+            if phase is EngineState.RUNNING:  # died without reporting it
+                self._failed("the engine's worker thread ended")
+                return
+            if now >= self._restart_at:
+                self._respawn()
 
-    def _work(self) -> None:
+    def _abandon(self, thread: threading.Thread, silent: float) -> None:
+        log.error(
+            "the engine's worker made no step for %.0f s (bound %g s): abandoning it; "
+            "its requests fail and a fresh worker starts when its step returns",
+            silent,
+            self.stall_seconds,
+        )
+        self._phase = EngineState.STALLED
+        self._abandoned, self._thread = thread, None
+        self._generation += 1
+        self._record(f"stalled: no step for {silent:.0f} s")
+        self._fail_all(f"the engine stalled (no step for {silent:.0f} s) and is restarting")
+
+    def _failed(self, error: str) -> None:
+        """The current worker died: fail its requests; restart after a delay."""
+        self._phase = EngineState.FAILED
+        self._record(error)
+        delay = min(self.restart_delay * 2 ** (self._streak - 1), _MAX_RESTART_DELAY_S)
+        self._restart_at = time.monotonic() + delay
+        log.error("the engine's worker failed (%s); restarting it in %.1f s", error, delay)
+        self._fail_all(f"the engine's worker failed ({error}) and is restarting")
+
+    def _record(self, error: str) -> None:
+        self._failures += 1
+        self._streak += 1
+        self._last_failure = error
+
+    def _fail_all(self, message: str) -> None:
+        self._end_all(lambda h: _failure(h, message))
+
+    def _respawn(self) -> None:
+        self._phase = EngineState.RUNNING
+        self._restarts += 1
+        log.warning("starting a fresh engine worker (restart %d)", self._restarts)
+        self._spawn(recover=True)
+
+    # worker ------------------------------------------------------------------
+    def _spawn(self, *, recover: bool) -> None:
+        self._generation += 1
+        self._beat = time.monotonic()
+        self.stats.busy = False
+        thread = threading.Thread(
+            target=self._work, args=(self._generation, recover), name="mlx-engine", daemon=True
+        )
+        self._thread = thread
+        thread.start()
+
+    def _current(self, generation: int) -> bool:
+        return generation == self._generation
+
+    def _work(self, generation: int, recover: bool) -> None:
         runner = self._runner
-        if not _is_batch_runner(runner):
-            while True:
-                handle = self._queue.get()
-                if handle is None:
-                    return
-                self._serve(handle)
         try:
-            self._work_batched(cast(BatchRunner, runner))
-        except BaseException:
+            if not _is_batch_runner(runner):
+                self._work_single(generation)
+                return
+            batch = cast(BatchRunner, runner)
+            if recover:
+                self._reset(batch)
+            self._work_batched(batch, generation)
+        except BaseException as exc:  # the watchdog restarts the worker
             log.exception("the engine's worker stopped")
-            raise
+            with self._lock:
+                if self._current(generation) and self._phase is EngineState.RUNNING:
+                    self._failed(f"{type(exc).__name__}: {exc}")
 
-    def _work_batched(self, runner: BatchRunner) -> None:
+    def _reset(
+        self, runner: BatchRunner, done: Iterable[tuple[RequestHandle, Finished]] = ()
+    ) -> None:
+        """Drop the runner's batch after a failure (the requests in it were failed
+        already, so their endings are dropped), then every MLX array it holds (`close`):
+        an unevaluated graph, and the stream it runs on, belong to the thread that built
+        them, so a fresh worker must not inherit them. The model stays loaded; the prefix
+        cache starts empty."""
+        ended = [*done, *runner.abort(FinishReason.ERROR, "the engine restarted")]
+        for handle, finished in ended:
+            self._finish(handle, _failure(handle, "the engine restarted", finished.stats))
+        close = getattr(runner, "close", None)
+        if close is not None:
+            close()
+
+    def _work_single(self, generation: int) -> None:
+        while True:
+            try:
+                handle = self._queue.get(timeout=_IDLE_POLL_S)
+            except queue.Empty:
+                self._beat = time.monotonic()
+                continue
+            if handle is None:
+                return
+            self._beat = time.monotonic()
+            self._serve(handle)
+            self._beat = time.monotonic()
+            if not self._current(generation):
+                return  # abandoned mid-request: the watchdog starts a fresh worker
+
+    def _work_batched(self, runner: BatchRunner, generation: int) -> None:
         stats = self.stats
         while True:
+            if not self._current(generation):
+                self._reset(runner)  # abandoned during an admission
+                return
             stats.busy = not runner.idle
-            while runner.idle or runner.has_room():
-                try:
-                    handle = self._queue.get(block=runner.idle)
-                except queue.Empty:
-                    break
-                if handle is None:
-                    for h, done in runner.abort(FinishReason.CANCELLED, "server shutting down"):
-                        self._complete(h, done)
-                    return
-                self._admit(runner, handle)
+            if not self._admit_waiting(runner):
+                for h, done in runner.abort(FinishReason.CANCELLED, SHUTTING_DOWN):
+                    self._complete(h, done)
+                return
             stats.busy = not runner.idle
             if not runner.idle:
-                for h, done in runner.step():
+                ended = runner.step()
+                self._beat = time.monotonic()
+                if not self._current(generation):
+                    self._reset(runner, ended)  # abandoned during the step
+                    return
+                for h, done in ended:
                     self._complete(h, done)
             stats.running, stats.prefilling, stats.decode_steps, stats.decode_step_seconds = (
                 runner.load()
             )
 
+    def _admit_waiting(self, runner: BatchRunner) -> bool:
+        """Take queued requests while the batch has room (waiting when it is idle);
+        False when stop() asked the worker to leave."""
+        while runner.idle or runner.has_room():
+            try:
+                if runner.idle:
+                    handle = self._queue.get(timeout=_IDLE_POLL_S)
+                else:
+                    handle = self._queue.get_nowait()
+            except queue.Empty:
+                self._beat = time.monotonic()
+                if runner.idle:
+                    continue
+                return True
+            if handle is None:
+                return False
+            self._beat = time.monotonic()
+            self._admit(runner, handle)
+            self._beat = time.monotonic()
+        return True
+
     def _admit(self, runner: BatchRunner, handle: RequestHandle) -> None:
         self.stats.requests_total += 1
         if handle.cancelled:
-            self.stats.requests_cancelled += 1
-            handle._emit(_finished(handle, FinishReason.CANCELLED))
+            self._finish(handle, _finished(handle, FinishReason.CANCELLED))
             return
         try:
             runner.admit(handle)
@@ -278,42 +532,42 @@ class Engine:
             )
 
     def _complete(self, handle: RequestHandle, done: Finished) -> None:
-        stats = self.stats
-        if done.reason is FinishReason.CANCELLED:
-            stats.requests_cancelled += 1
-        elif done.reason is FinishReason.ERROR:
-            stats.requests_failed += 1
-        stats.prompt_tokens_total += done.stats.prompt_tokens
-        stats.completion_tokens_total += done.stats.completion_tokens
-        handle._emit(done)
+        if done.reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self._streak = 0  # the engine works: the next failure restarts it quickly
+        self._finish(handle, done)
 
     def _serve(self, handle: RequestHandle) -> None:
         stats = self.stats
         stats.requests_total += 1
         if handle.cancelled:
-            stats.requests_cancelled += 1
-            handle._emit(_finished(handle, FinishReason.CANCELLED))
+            self._finish(handle, _finished(handle, FinishReason.CANCELLED))
             return
         stats.busy = True
         try:
             done = cast(Runner, self._runner).run(handle)
         except Exception as exc:  # one request's failure must never kill the worker
             log.exception("request failed")
-            stats.requests_failed += 1
             done = _finished(handle, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
         finally:
             stats.busy = False
-        if done.reason is FinishReason.CANCELLED:
-            stats.requests_cancelled += 1
-        stats.prompt_tokens_total += done.stats.prompt_tokens
-        stats.completion_tokens_total += done.stats.completion_tokens
-        handle._emit(done)
+        self._complete(handle, done)
 
 
 def _is_batch_runner(runner: object) -> bool:
     return all(hasattr(runner, name) for name in ("admit", "step", "has_room", "abort"))
 
 
+def _stats(handle: RequestHandle) -> GenerationStats:
+    return GenerationStats(
+        prompt_tokens=len(handle.request.prompt_tokens), completion_tokens=handle.tokens_out
+    )
+
+
 def _finished(handle: RequestHandle, reason: FinishReason, error: str | None = None) -> Finished:
-    stats = GenerationStats(prompt_tokens=len(handle.request.prompt_tokens), completion_tokens=0)
-    return Finished(reason, stats, error)
+    return Finished(reason, _stats(handle), error)
+
+
+def _failure(
+    handle: RequestHandle, error: str, stats: GenerationStats | None = None
+) -> EngineFailure:
+    return EngineFailure(FinishReason.ERROR, stats or _stats(handle), error)

@@ -10,6 +10,12 @@ resized by Pillow to the model's square size with the processor's filter (biline
 unless preprocessor_config.json says otherwise), rescaled by 1/255 in float64 and cast to
 float32, then (x - mean) / std in float32, channels first. Pan-and-scan crops are not
 made (the processor's default).
+
+Qwen's vision models (`GridResize`) take each image at about its own size instead, as
+Qwen2VLImageProcessor (PIL backend) does: "smart resize" to sides that are multiples of
+patch * merge pixels, the area within [min_pixels, max_pixels], the aspect ratio kept
+(bicubic unless the config says otherwise); then the same rescale and normalisation.
+The model cuts the pixels into patches (runtime/models/qwen3_vision.py).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +39,8 @@ log = logging.getLogger(__name__)
 # shell out (EPS) or are rarely audited.
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _BILINEAR = 2  # PIL.Image.Resampling.BILINEAR, the processor's default
+_BICUBIC = 3  # Qwen2VLImageProcessor's default
+_MAX_ASPECT = 200  # smart_resize refuses images whose long side is more times the short
 _ORIENTATION = 0x0112  # the EXIF tag
 
 
@@ -81,8 +90,81 @@ class ImageLimits:
 
 
 @dataclass(frozen=True)
+class GridResize:
+    """Images at their own size on a grid of patches (Qwen's vision models): each side a
+    multiple of `patch_size * merge_size` pixels, the area within [min_pixels,
+    max_pixels]. An image of H x W pixels gives (H / patch) x (W / patch) patches, every
+    merge x merge block of them one token. The defaults are Qwen2VLImageProcessor's."""
+
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    def resize(self, height: int, width: int) -> tuple[int, int]:
+        """transformers' smart_resize: the (height, width) an image is resized to."""
+        if max(height, width) / min(height, width) > _MAX_ASPECT:
+            raise ImageError(
+                f"the image is {width}x{height}: its sides may differ at most {_MAX_ASPECT}-fold"
+            )
+        f = self.factor
+        h, w = round(height / f) * f, round(width / f) * f
+        if h * w > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            h = max(f, math.floor(height / beta / f) * f)
+            w = max(f, math.floor(width / beta / f) * f)
+        elif h * w < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h, w = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
+        return h, w
+
+    def grid(self, shape: Sequence[int]) -> tuple[int, int]:
+        """(rows, columns) of tokens for pixels of `shape` (channels, height, width)."""
+        f = self.factor
+        if len(shape) != 3 or shape[1] % f or shape[2] % f or not shape[1] or not shape[2]:
+            raise ValueError(
+                f"pixels of shape {tuple(shape)}: height and width must be multiples of {f}"
+            )
+        return shape[1] // f, shape[2] // f
+
+    def tokens(self, shape: Sequence[int]) -> int:
+        rows, columns = self.grid(shape)
+        return rows * columns
+
+    def with_config(self, config: Mapping[str, Any]) -> GridResize:
+        """The pixel bounds a preprocessor_config.json sets (size.shortest_edge and
+        size.longest_edge, or the older min_pixels / max_pixels); the patch sizes stay the
+        model's (a config naming others is overridden, loudly)."""
+        size = config.get("size")
+        size = size if isinstance(size, Mapping) else {}
+        low = size.get("shortest_edge", config.get("min_pixels"))
+        high = size.get("longest_edge", config.get("max_pixels"))
+        for key, ours in (("patch_size", self.patch_size), ("merge_size", self.merge_size)):
+            if config.get(key) is not None and int(config[key]) != ours:
+                log.warning(
+                    "preprocessor %s %s differs from the model's %d", key, config[key], ours
+                )
+        out = GridResize(
+            self.patch_size,
+            self.merge_size,
+            self.temporal_patch_size,
+            self.min_pixels if low is None else int(low),
+            self.max_pixels if high is None else int(high),
+        )
+        if not 0 < out.min_pixels <= out.max_pixels:
+            raise ValueError(f"image pixel bounds {out.min_pixels}..{out.max_pixels} are empty")
+        return out
+
+
+@dataclass(frozen=True)
 class Preprocessing:
-    """How pixels are prepared: the processor's fields (preprocessor_config.json)."""
+    """How pixels are prepared: the processor's fields (preprocessor_config.json).
+    With `grid`, images keep about their own size (height and width are unused)."""
 
     height: int
     width: int
@@ -92,11 +174,15 @@ class Preprocessing:
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     do_rescale: bool = True
     do_normalize: bool = True
+    grid: GridResize | None = None
 
     @classmethod
-    def read(cls, folder: Path | None, image_size: int) -> Preprocessing:
+    def read(
+        cls, folder: Path | None, image_size: int, grid: GridResize | None = None
+    ) -> Preprocessing:
         """The folder's preprocessor_config.json, at the model's `image_size` (the size
-        the vision tower takes; a config naming another size is overridden, loudly)."""
+        the vision tower takes; a config naming another size is overridden, loudly), or
+        on the model's `grid` (its pixel bounds from the config)."""
         config: Mapping[str, Any] = {}
         file = None if folder is None else folder / "preprocessor_config.json"
         if file is not None and file.is_file():
@@ -106,7 +192,26 @@ class Preprocessing:
                 log.warning("ignoring unreadable %s: %s", file, exc)
             else:
                 config = loaded if isinstance(loaded, dict) else {}
+        if grid is not None:
+            return cls.on_grid(config, grid)
         return cls.from_config(config, image_size)
+
+    @classmethod
+    def on_grid(cls, config: Mapping[str, Any], grid: GridResize) -> Preprocessing:
+        """Qwen2VLImageProcessor's fields; mean and std default to 0.5, as Qwen3.5's
+        checkpoints set them (the processor class's own default is CLIP's)."""
+        d = cls(0, 0)
+        return cls(
+            height=0,
+            width=0,
+            resample=int(config.get("resample", _BICUBIC)),
+            rescale=float(config.get("rescale_factor", d.rescale)),
+            mean=_triple(config.get("image_mean"), d.mean),
+            std=_triple(config.get("image_std"), d.std),
+            do_rescale=bool(config.get("do_rescale", True)),
+            do_normalize=bool(config.get("do_normalize", True)),
+            grid=grid.with_config(config),
+        )
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], image_size: int) -> Preprocessing:
@@ -147,7 +252,10 @@ class ImageLayout:
     """An image's place in a vision model's prompt. The chat template writes the token
     `start_id` for each image; the processor turns that into `wrap`, the start token,
     `tokens_per_image` image tokens, the `end_id` token and `wrap` again (Gemma 3: a
-    blank line either side). The image tokens' embeddings are the image's features."""
+    blank line either side). The image tokens' embeddings are the image's features.
+    Without `start_id` the template writes one image token, which becomes the image's
+    tokens (Qwen: between <|vision_start|> and <|vision_end|>, which the template
+    writes); `tokens_per_image` 0: the count is each image's own (GridResize)."""
 
     image_token_id: int
     tokens_per_image: int
@@ -159,13 +267,24 @@ class ImageLayout:
 @dataclass(frozen=True)
 class VisionSpec:
     """What the HTTP side needs of a vision model: the text the template writes for an
-    image (`marker`), the text each marker becomes before tokenizing (`expansion`), and
-    the preprocessing of its pixels."""
+    image (`marker`), the text each marker becomes before tokenizing (`expansion`, for
+    an image of the layout's tokens_per_image; `placeholder(n)` for one of n tokens),
+    and the preprocessing of its pixels."""
 
     layout: ImageLayout
     marker: str
     expansion: str
     preprocessing: Preprocessing
+    pieces: tuple[str, str, str] = ("", "", "")  # before the image tokens, one, after
+
+    def tokens(self, shape: Sequence[int]) -> int:
+        """The image tokens of an image whose pixels have `shape`."""
+        grid = self.preprocessing.grid
+        return self.layout.tokens_per_image if grid is None else grid.tokens(shape)
+
+    def placeholder(self, tokens: int) -> str:
+        before, image, after = self.pieces
+        return before + image * tokens + after
 
     @classmethod
     def build(
@@ -181,8 +300,9 @@ class VisionSpec:
 
         image = text(layout.image_token_id)
         start, end = text(layout.start_id), text(layout.end_id)
-        body = start + image * layout.tokens_per_image + end
-        return cls(layout, start or image, layout.wrap + body + layout.wrap, prep)
+        pieces = (layout.wrap + start, image, end + layout.wrap)
+        expansion = pieces[0] + image * layout.tokens_per_image + pieces[2]
+        return cls(layout, start or image, expansion, prep, pieces)
 
 
 @dataclass(frozen=True)
@@ -246,8 +366,11 @@ def to_rgb(image: Image.Image) -> Image.Image:
 def preprocess(image: Image.Image, prep: Preprocessing) -> np.ndarray[Any, np.dtype[np.float32]]:
     """(3, height, width) float32 pixel values, as the model's processor makes them."""
     rgb = to_rgb(image)
-    if rgb.size != (prep.width, prep.height):
-        rgb = rgb.resize((prep.width, prep.height), resample=prep.resample)
+    height, width = prep.height, prep.width
+    if prep.grid is not None:
+        height, width = prep.grid.resize(rgb.height, rgb.width)
+    if rgb.size != (width, height):
+        rgb = rgb.resize((width, height), resample=prep.resample)
     pixels: np.ndarray[Any, Any] = np.asarray(rgb)
     if prep.do_rescale:
         pixels = (pixels.astype(np.float64) * prep.rescale).astype(np.float32)

@@ -358,10 +358,14 @@ def _cast_floats(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.
 _FLOAT32_KEYS = ("e_score_correction_bias",)
 
 
+def _is_vision(name: str) -> bool:
+    return "vision" in name or name.startswith(("visual.", "model.visual."))  # Qwen's: visual
+
+
 def _without_vision(config: dict[str, Any], weights: Mapping[str, mx.array]) -> dict[str, Any]:
     """A multimodal config whose checkpoint has no vision weights (a text-only
     conversion) builds the text model alone."""
-    if "vision_config" not in config or any("vision" in name for name in weights):
+    if "vision_config" not in config or any(_is_vision(name) for name in weights):
         return config
     log.info("the checkpoint has no vision weights: serving the text model only")
     return {k: v for k, v in config.items() if k != "vision_config"}

@@ -36,7 +36,7 @@ from runtime.prefix_cache import Key, Lease, PrefixCache
 from runtime.sampling import Sampler, SampleResult
 from runtime.sequence import SequenceOutput
 from runtime.types import Finished, FinishReason, GenerationStats
-from runtime.vision import PromptImages
+from runtime.vision import PromptImages, decode_forward
 
 if TYPE_CHECKING:
     from runtime.constraints import TokenMatcher
@@ -202,6 +202,7 @@ class Scheduler:
             out.append((seq.handle, self._finished(seq, error)))
         self._rows, self._batch = [], None
         self._queue.clear()
+        self._writebacks.clear()  # their arrays may belong to a worker that is gone
         self._count()
         return out
 
@@ -218,13 +219,14 @@ class Scheduler:
         assert all(i is not None for i in inputs)
         if self._batch is not None:
             tokens = mx.concatenate(inputs).reshape(-1, 1)  # type: ignore[arg-type]
-            hidden = self.model.forward(tokens, self._batch.layers)
+            shifts = [_shift(r) for r in self._rows]
+            hidden = decode_forward(self.model, tokens, self._batch.layers, shifts)
             logits = self.model.logits(hidden[:, -1, :])
             return [logits[i : i + 1] for i in range(len(self._rows))]
         out = []
         for row in self._rows:
             assert row.input is not None and row.caches is not None
-            hidden = self.model.forward(row.input.reshape(1, 1), row.caches)
+            hidden = decode_forward(self.model, row.input.reshape(1, 1), row.caches, [_shift(row)])
             out.append(self.model.logits(hidden[:, -1, :]))
         return out
 
@@ -389,7 +391,7 @@ class Scheduler:
     def _first_alone(self, seq: _Seq, caches: list[Any]) -> None:
         """A one-token prompt: its first step runs alone so its caches hold a token."""
         assert seq.input is not None
-        hidden = self.model.forward(seq.input.reshape(1, 1), caches)
+        hidden = decode_forward(self.model, seq.input.reshape(1, 1), caches, [_shift(seq)])
         mask = seq.matcher.mask() if seq.matcher is not None else None
         seq.unread = seq.sampler.sample(self.model.logits(hidden[:, -1, :]), mask)
         seq.input = seq.unread.token
@@ -425,6 +427,11 @@ class Scheduler:
             stats.completion_tokens, stats.prefill_tps, stats.decode_tps,
         )  # fmt: skip
         return Finished(p.reason, stats, error, stop_string=p.stop_string)
+
+
+def _shift(seq: _Seq) -> int:
+    """Rotary position minus offset of the sequence's decode steps (multimodal RoPE)."""
+    return 0 if seq.images is None else seq.images.shift
 
 
 def _avg(old: float, new: float) -> float:

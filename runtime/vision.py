@@ -14,6 +14,13 @@ whose image positions hold image features (runtime/models/gemma3_vision.py).
   cached keys and values of the same image after the same prefix are exact);
 - the vision encoder runs once per image of the request (images with the same content
   once between them), when the chunk holding its span is computed.
+
+`GridVision` models (Qwen3.5) take each image at about its own size and place its
+tokens on its grid of patches (multimodal RoPE): their attention stays causal, so chunks
+may cut an image, and the text after an image sits at a rotary position other than its
+offset. Prefill chunks get their positions from the prompt's images; decode steps from
+`PromptImages.shift` (`decode_forward`). Both depend only on the prompt, so state the
+prefix cache restores (keyed by the same image hashes) is continued exactly.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 import mlx.core as mx
 import numpy as np
 
-from runtime.images import ImageLayout, Preprocessing, VisionSpec, pixel_array
+from runtime.images import GridResize, ImageLayout, Preprocessing, VisionSpec, pixel_array
 from runtime.prefix_trie import Key, image_keys
 from runtime.types import PromptImage
 
@@ -42,11 +49,12 @@ class VisionModel(Protocol):
 
     @property
     def image_size(self) -> int:
-        """The square side, in pixels, the vision tower takes."""
+        """The square side, in pixels, the vision tower takes (0 for a GridVision)."""
         ...
 
     def encode_images(self, pixels: mx.array) -> mx.array:
-        """(N, 3, size, size) pixel values -> (N, tokens per image, hidden) features."""
+        """(N, 3, size, size) pixel values -> (N, tokens per image, hidden) features
+        (a GridVision: N images of one size)."""
         ...
 
     def forward(self, tokens: mx.array, caches: Sequence[Any] | None = None) -> mx.array: ...
@@ -59,8 +67,62 @@ class VisionModel(Protocol):
         ...
 
 
+@runtime_checkable
+class GridVision(VisionModel, Protocol):
+    """A vision model that takes each image at about its own size, as a grid of patches,
+    and places its tokens on that grid (Qwen's multimodal RoPE; see the module docstring)."""
+
+    @property
+    def image_grid(self) -> GridResize: ...
+
+    def image_tokens(self, shape: Sequence[int]) -> int:
+        """The tokens of an image whose pixels have `shape`; ValueError if it cannot be."""
+        ...
+
+    def rope_shift(self, images: Sequence[PromptImage]) -> int:
+        """Rotary position minus offset, for the tokens after all of `images`."""
+        ...
+
+    def forward_placed(
+        self,
+        tokens: mx.array,
+        caches: Sequence[Any],
+        images: Sequence[tuple[int, mx.array]],
+        placed: Sequence[PromptImage],
+        offset: int,
+    ) -> mx.array:
+        """`forward_images` over the chunk at `offset` of a prompt whose images are
+        `placed` (the chunk's rotary positions come from them)."""
+        ...
+
+    def forward_shifted(
+        self, tokens: mx.array, caches: Sequence[Any], shift: int | mx.array
+    ) -> mx.array:
+        """`forward` with each row's rotary positions moved by `shift` ((B,) or one)."""
+        ...
+
+
 def vision_of(model: object) -> VisionModel | None:
     return model if isinstance(model, VisionModel) else None
+
+
+def grid_of(model: object) -> GridVision | None:
+    return model if isinstance(model, GridVision) else None
+
+
+def decode_forward(
+    model: Any, tokens: mx.array, caches: Sequence[Any], shifts: Sequence[int]
+) -> mx.array:
+    """`model.forward` over a decode step's (B, 1) tokens whose rows' rotary positions
+    are their offsets plus `shifts` (PromptImages.shift; all 0 for text)."""
+    if not any(shifts):
+        out: mx.array = model.forward(tokens, caches)
+        return out
+    grid = grid_of(model)
+    if grid is None:
+        raise ValueError("shifted positions need a model with multimodal RoPE")
+    shift = shifts[0] if len(shifts) == 1 else mx.array(list(shifts), dtype=mx.int32)
+    return grid.forward_shifted(tokens, caches, shift)
 
 
 def vision_spec(
@@ -71,8 +133,11 @@ def vision_spec(
     vision = vision_of(model)
     if vision is None:
         return None
-    prep = Preprocessing.read(folder, vision.image_size)
+    grid = grid_of(model)
     try:
+        prep = Preprocessing.read(
+            folder, vision.image_size, None if grid is None else grid.image_grid
+        )
         return VisionSpec.build(vision.image_layout, token_text, prep)
     except ValueError as exc:
         log.warning("images cannot be placed in this model's prompts (%s): text only", exc)
@@ -87,8 +152,11 @@ class PromptImages:
     ) -> None:
         _check(model, images, prompt)
         self._model = model
+        self._grid = grid_of(model)
         self._images = tuple(images)
         self._features: dict[str, mx.array] = {}  # digest -> (tokens, hidden)
+        # rotary position minus offset after the prompt's images (multimodal RoPE)
+        self.shift = 0 if self._grid is None else self._grid.rope_shift(self._images)
 
     @classmethod
     def of(
@@ -120,7 +188,9 @@ class PromptImages:
         """`n`, the length of a chunk starting at `offset`, changed so it does not end
         inside a span: cut before a span it enters, or extended to the end of the span it
         starts in (never past the next pause point outside spans, never past the prompt's
-        last token, which no span holds)."""
+        last token, which no span holds). A GridVision's images are causal: any `n`."""
+        if self._grid is not None:
+            return n
         end = offset + n
         for image in self._images:
             if image.start < end < image.end:
@@ -131,19 +201,22 @@ class PromptImages:
         """The model over the chunk `tokens` at `offset`: its images' features in place."""
         x = mx.array(np.asarray(tokens, dtype=np.int32))[None]
         images = self._in_chunk(offset, offset + len(tokens))
+        if self._grid is not None:
+            return self._grid.forward_placed(x, caches, images, self._images, offset)
         if not images:
             return self._model.forward(x, caches)
         return self._model.forward_images(x, caches, images)
 
     def _in_chunk(self, start: int, end: int) -> list[tuple[int, mx.array]]:
         inside = [i for i in self._images if i.start < end and i.end > start]
-        if any(i.end > end for i in inside):
+        if self._grid is None and any(i.end > end for i in inside):
             raise ValueError("a prefill chunk may not end inside an image (see chunk())")
         self._encode([i for i in inside if i.digest not in self._features])
         out = []
         for image in inside:
-            lo = max(image.start, start)
-            out.append((lo - start, self._features[image.digest][lo - image.start :]))
+            lo, hi = max(image.start, start), min(image.end, end)
+            features = self._features[image.digest]
+            out.append((lo - start, features[lo - image.start : hi - image.start]))
         # prefill only moves forward: features no later span needs are let go
         later = {i.digest for i in self._images if i.end > end}
         for digest in [d for d in self._features if d not in later]:
@@ -152,29 +225,39 @@ class PromptImages:
 
     def _encode(self, images: Sequence[PromptImage]) -> None:
         todo = list({i.digest: i for i in images}.values())
-        if not todo:
-            return
-        pixels = mx.array(np.stack([pixel_array(i.pixels, i.shape) for i in todo]))
-        features = self._model.encode_images(pixels)
-        mx.eval(features)
-        for n, image in enumerate(todo):
-            self._features[image.digest] = features[n]
+        for shape in dict.fromkeys(i.shape for i in todo):  # one batch per size
+            same = [i for i in todo if i.shape == shape]
+            pixels = mx.array(np.stack([pixel_array(i.pixels, i.shape) for i in same]))
+            features = self._model.encode_images(pixels)
+            mx.eval(features)
+            for n, image in enumerate(same):
+                self._features[image.digest] = features[n]
+
+
+def _tokens(model: VisionModel, shape: tuple[int, int, int]) -> int:
+    """The tokens an image of pixels of `shape` takes; ValueError if the model cannot
+    take them."""
+    grid = grid_of(model)
+    if grid is not None:
+        return grid.image_tokens(shape)
+    size = model.image_size
+    if shape != (3, size, size):
+        raise ValueError(f"pixels of shape {shape}; expected (3, {size}, {size})")
+    return model.image_layout.tokens_per_image
 
 
 def _check(model: VisionModel, images: Sequence[PromptImage], prompt: Sequence[int]) -> None:
     layout = model.image_layout
-    size = model.image_size
     previous_end = 0
     for n, image in enumerate(images, 1):
         where = f"image {n} of {len(images)}"
-        if image.shape != (3, size, size):
+        try:
+            tokens = _tokens(model, image.shape)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        if image.length != tokens:
             raise ValueError(
-                f"{where}: pixels of shape {image.shape}; expected (3, {size}, {size})"
-            )
-        if image.length != layout.tokens_per_image:
-            raise ValueError(
-                f"{where}: a span of {image.length} tokens; this model gives an image "
-                f"{layout.tokens_per_image}"
+                f"{where}: a span of {image.length} tokens; this model gives the image {tokens}"
             )
         if image.start < previous_end:
             raise ValueError(f"{where}: spans must be in order and not overlap")

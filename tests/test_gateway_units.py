@@ -87,6 +87,25 @@ def test_key_matches() -> None:
     assert not key_matches("sécret", "secret")
 
 
+def test_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every comparison goes through hmac.compare_digest, whose time does not depend on
+    how many leading characters of a guess are right; a plain == would stop at the first
+    difference."""
+    import hmac
+
+    calls: list[tuple[object, object]] = []
+    real = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)  # gateway.core.auth calls it by module
+    guesses = ["sk-secret", "sk-secreX", "Xk-secret", "sk", "sk-secret-longer", "sk-sécret"]
+    assert [key_matches(g, "sk-secret") for g in guesses] == [True] + [False] * 5
+    assert calls == [(g.encode(), b"sk-secret") for g in guesses]
+
+
 def test_choice_seeds_are_distinct_and_reproducible() -> None:
     assert choice_seed(None, 3) is None
     assert choice_seed(7, 0) == 7
@@ -282,25 +301,25 @@ def test_legacy_logprobs_offsets() -> None:
 
 def test_prometheus_text() -> None:
     metrics = Metrics()
-    metrics.requests[("POST", "/v1/chat/completions", "200")] += 2
+    metrics.request_done("POST", "/v1/chat/completions", 200)
+    metrics.request_done("POST", "/v1/chat/completions", 200)
     metrics.first_token(0.07)
     metrics.generation_done(FinishReason.STOP, GenerationStats(10, 5, 4, 0.5, 1.0))
     text = render(metrics, model='a"b', queue_depth=3, engine=EngineStats(requests_total=4))
-    lines = text.splitlines()
-    assert 'mlx_gateway_info{model="a\\"b"} 1' in lines
-    assert (
-        'mlx_gateway_http_requests_total{method="POST",route="/v1/chat/completions",status="200"} 2'
-        in lines
-    )
-    assert "mlx_gateway_queue_depth 3" in lines and "mlx_gateway_generations_total 4" in lines
-    assert "mlx_gateway_prefix_cache_hits_total 1" in lines
-    assert 'mlx_gateway_time_to_first_token_seconds_bucket{le="0.05"} 0' in lines
-    assert 'mlx_gateway_time_to_first_token_seconds_bucket{le="0.1"} 1' in lines
-    assert "mlx_gateway_time_to_first_token_seconds_count 1" in lines
-    assert "mlx_gateway_decode_tokens_per_second_count 1" in lines
-    for line in lines:  # every sample line is "name{labels} value"
-        if not line.startswith("#"):
-            float(line.rsplit(" ", 1)[1])
+    values = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])  # "name{labels} value"
+        for line in text.splitlines()
+        if not line.startswith("#")
+    }
+    assert values['mlx_gateway_info{model="a\\"b"}'] == 1
+    route = 'method="POST",route="/v1/chat/completions",status="200"'
+    assert values[f"mlx_gateway_http_requests_total{{{route}}}"] == 2
+    assert values["mlx_gateway_queue_depth"] == 3 and values["mlx_gateway_generations_total"] == 4
+    assert values["mlx_gateway_prefix_cache_hits_total"] == 1
+    assert values['mlx_gateway_time_to_first_token_seconds_bucket{le="0.05"}'] == 0
+    assert values['mlx_gateway_time_to_first_token_seconds_bucket{le="0.1"}'] == 1
+    assert values["mlx_gateway_time_to_first_token_seconds_count"] == 1
+    assert values["mlx_gateway_decode_tokens_per_second_count"] == 1
     assert text.endswith("\n")
 
 

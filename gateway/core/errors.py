@@ -106,6 +106,14 @@ class Overloaded(APIError):
     type = "overloaded_error"
 
 
+class EngineFailed(Overloaded):
+    """The engine's worker failed or stalled and is restarting (the model stays loaded):
+    not the request's fault, so a retry after Retry-After is expected to work."""
+
+    def __init__(self, message: str, *, retry_after: int = 5) -> None:
+        super().__init__(message, code="engine_failed", headers={"Retry-After": str(retry_after)})
+
+
 class InternalError(APIError):
     status = 500
     type = "server_error"

@@ -21,12 +21,26 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.types import Message
 
-from gateway.core.errors import APIError, InternalError, InvalidRequest, Overloaded, RateLimited
+from gateway.core.errors import (
+    APIError,
+    EngineFailed,
+    InternalError,
+    InvalidRequest,
+    Overloaded,
+    RateLimited,
+)
 from gateway.core.metrics import Metrics
 from gateway.core.plan import CachePin
 from gateway.core.served import ServedModel
 from gateway.core.settings import ServerSettings
-from runtime.engine import EngineStopped, QueueFull, RequestHandle
+from runtime.engine import (
+    EngineFailure,
+    EngineState,
+    EngineStopped,
+    EngineUnavailable,
+    QueueFull,
+    RequestHandle,
+)
 from runtime.types import (
     Constraint,
     Finished,
@@ -176,6 +190,8 @@ def submit(
         raise RateLimited(
             f"The server is busy ({exc}); retry shortly.", code="queue_full", headers=retry
         ) from None
+    except EngineUnavailable as exc:
+        raise _refused(exc, settings.retry_after_seconds) from None
     except EngineStopped:
         raise Overloaded(
             "The server is not running generations now; retry shortly.", headers=retry
@@ -183,8 +199,21 @@ def submit(
     return Generations(handles, metrics)
 
 
+def _refused(exc: EngineUnavailable, retry_after: int) -> APIError:
+    """503s for an engine that is draining (shutdown), or failed or stalled (restarting)."""
+    why = str(exc)
+    message = f"{why[:1].upper()}{why[1:]}; retry shortly."
+    if exc.state is EngineState.DRAINING:
+        retry = {"Retry-After": str(retry_after)}
+        return Overloaded(message, code="shutting_down", headers=retry)
+    return EngineFailed(message, retry_after=retry_after)
+
+
 def failure(done: Finished) -> APIError | None:
     """The error a finished generation stands for, if any."""
+    if isinstance(done, EngineFailure):  # the engine failed under it: a 503 to retry
+        log.warning("generation ended by an engine failure: %s", done.error)
+        return EngineFailed(f"Generation failed: {done.error}; retry shortly.")
     if done.reason is FinishReason.ERROR:
         log.error("generation failed: %s", done.error)
         return InternalError(f"Generation failed: {done.error}", code="generation_failed")

@@ -27,6 +27,7 @@ from runtime.images import (
     ImageError,
     ImageLimits,
     ImageTooLarge,
+    PreparedImage,
     VisionSpec,
     prepare_image,
 )
@@ -73,10 +74,13 @@ def require_vision(spec: VisionSpec | None, model_id: str, param: str) -> Vision
     return spec
 
 
-def expand_markers(text: str, spec: VisionSpec, count: int, param: str) -> str:
+def expand_markers(
+    text: str, spec: VisionSpec, count: int, param: str, lengths: Sequence[int] | None = None
+) -> str:
     """The rendered prompt with each image marker the template wrote replaced by the
     model's full placeholder (Gemma 3: a blank line, <start_of_image>, 256 image tokens,
-    <end_of_image>, a blank line)."""
+    <end_of_image>, a blank line; Qwen: as many <|image_pad|> as the image has tokens).
+    `lengths`: each image's tokens, needed where they depend on the image's size."""
     found = text.count(spec.marker)
     if found != count:
         raise InvalidRequest(
@@ -85,28 +89,42 @@ def expand_markers(text: str, spec: VisionSpec, count: int, param: str) -> str:
             param=param,
             code="invalid_image",
         )
-    return text.replace(spec.marker, spec.expansion)
+    if lengths is None:
+        if spec.preprocessing.grid is not None:
+            raise InvalidRequest(
+                "This model gives each image as many tokens as its size makes: the images "
+                "must be read to count them.",
+                param=param,
+                code="invalid_image",
+            )
+        return text.replace(spec.marker, spec.expansion)
+    parts = text.split(spec.marker)
+    placed = (spec.placeholder(n) + part for n, part in zip(lengths, parts[1:], strict=True))
+    return parts[0] + "".join(placed)
 
 
-def image_starts(tokens: Sequence[int], spec: VisionSpec, count: int, param: str) -> list[int]:
-    """Where each image's span of image tokens starts in the encoded prompt."""
-    layout = spec.layout
-    size = layout.tokens_per_image
+def image_starts(
+    tokens: Sequence[int], spec: VisionSpec, lengths: Sequence[int], param: str
+) -> list[int]:
+    """Where each image's span of image tokens starts in the encoded prompt: the runs of
+    image tokens, cut into the images' `lengths` in order."""
+    image = spec.layout.image_token_id
     starts: list[int] = []
+    filled = True  # every run of image tokens is exactly the next images' spans
     i = 0
-    while i < len(tokens):
-        if tokens[i] != layout.image_token_id:
+    while i < len(tokens) and filled:
+        if tokens[i] != image:
             i += 1
             continue
         j = i
-        while j < len(tokens) and tokens[j] == layout.image_token_id:
+        while j < len(tokens) and tokens[j] == image:
             j += 1
-        if (j - i) % size:
-            starts = []  # a run no whole number of images fills: refused below
-            break
-        starts += range(i, j, size)
-        i = j
-    if len(starts) != count or (starts and starts[-1] + size >= len(tokens)):
+        while i < j and len(starts) < len(lengths):
+            starts.append(i)
+            i += lengths[len(starts) - 1]
+        filled = i == j
+    last = starts[-1] + lengths[-1] if starts else 0
+    if not filled or len(starts) != len(lengths) or last >= len(tokens):
         raise InvalidRequest(
             "The messages' text holds the model's image placeholder tokens: remove them "
             "(images go in image parts).",
@@ -116,33 +134,38 @@ def image_starts(tokens: Sequence[int], spec: VisionSpec, count: int, param: str
     return starts
 
 
-def load_images(
-    spec: VisionSpec,
-    sources: Sequence[str],
-    tokens: Sequence[int],
-    policy: ImagePolicy,
-    param: str,
-) -> tuple[PromptImage, ...]:
-    """Read, check and preprocess every image; place each on its span of `tokens`."""
+def read_images(
+    spec: VisionSpec, sources: Sequence[str], policy: ImagePolicy, param: str
+) -> list[PreparedImage]:
+    """Read, check and preprocess every image."""
     count = len(sources)
     try:
         policy.limits.check_count(count)
     except ImageError as exc:
         raise InvalidRequest(f"{exc}.", param=param, code=exc.code) from None
-    starts = image_starts(tokens, spec, count, param)
     used = 0
     out = []
-    for n, (source, start) in enumerate(zip(sources, starts, strict=True), 1):
+    for n, source in enumerate(sources, 1):
         try:
             data = read_source(source, policy, used)
             used += len(data)
-            prepared = prepare_image(data, spec.preprocessing, policy.limits)
+            out.append(prepare_image(data, spec.preprocessing, policy.limits))
         except ImageError as exc:
             where = f"image {n} of {count} ({_short(source)})"
             raise InvalidRequest(f"{where}: {exc}.", param=param, code=exc.code) from None
-        length = spec.layout.tokens_per_image
-        out.append(PromptImage(prepared.pixels, prepared.shape, prepared.digest, start, length))
-    return tuple(out)
+    return out
+
+
+def place_images(
+    spec: VisionSpec, images: Sequence[PreparedImage], tokens: Sequence[int], param: str
+) -> tuple[PromptImage, ...]:
+    """Each read image on its span of the encoded prompt."""
+    lengths = [spec.tokens(i.shape) for i in images]
+    starts = image_starts(tokens, spec, lengths, param)
+    return tuple(
+        PromptImage(i.pixels, i.shape, i.digest, start, n)
+        for i, start, n in zip(images, starts, lengths, strict=True)
+    )
 
 
 def _short(source: str, most: int = 80) -> str:

@@ -1,25 +1,36 @@
-"""GET /metrics in Prometheus' text format, and what feeds it.
+"""GET /metrics in Prometheus' text format (prometheus_client), and what feeds it.
 
-HTTP counts come from a middleware; time to first token, speeds and prefix-cache hits
-from the generations the routes watch; token totals and queue depth from the engine.
-Everything here runs on the event loop thread, so plain counters suffice.
+Two kinds of series. What the gateway sees happen (HTTP requests, from a middleware; first
+tokens, speeds and prefix-cache hits, from the generations the routes watch) lives in
+prometheus_client metrics on the `Metrics` object. What the engine owns (queue depth,
+token totals, busy) is read once per scrape through `READINGS`: a new engine gauge is one
+row there. Each app has its own registry, with the process collector (resident memory,
+CPU seconds, open file descriptors).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 import time
-from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runtime.engine import EngineStats
 from runtime.types import FinishReason, GenerationStats
 
+# the 0.0.4 text format is what generate_latest writes
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "mlx_gateway_"
 
@@ -27,144 +38,190 @@ TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 12
 TPS_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 5000.0)
 
 
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    count: int = 0
+@dataclass(frozen=True)
+class EngineView:
+    """What one scrape reads from the served model's engine (the worker owns it)."""
 
-    def __post_init__(self) -> None:
-        self.counts = [0] * len(self.buckets)
-
-    def observe(self, value: float) -> None:
-        if math.isnan(value):
-            return
-        self.total += value
-        self.count += 1
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-
-    def lines(self, name: str) -> list[str]:
-        pairs = zip(self.buckets, self.counts, strict=True)
-        out = [f'{name}_bucket{{le="{_num(b)}"}} {c}' for b, c in pairs]
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        out.append(f"{name}_sum {_num(self.total)}")
-        out.append(f"{name}_count {self.count}")
-        return out
+    model: str
+    queue_depth: int
+    stats: EngineStats
 
 
-@dataclass
+@dataclass(frozen=True)
+class Reading:
+    """A series whose value the engine holds, read at scrape time."""
+
+    name: str  # without PREFIX; a counter's ends in _total
+    kind: Literal["gauge", "counter"]
+    help: str
+    read: Callable[[EngineView], float]
+
+    def family(self, view: EngineView) -> Metric:
+        value = float(self.read(view))
+        if self.kind == "counter":
+            return CounterMetricFamily(PREFIX + self.name, self.help, value=value)
+        return GaugeMetricFamily(PREFIX + self.name, self.help, value=value)
+
+
+def gauge(name: str, help_text: str, read: Callable[[EngineView], float]) -> Reading:
+    return Reading(name, "gauge", help_text, read)
+
+
+def counter(name: str, help_text: str, read: Callable[[EngineView], float]) -> Reading:
+    return Reading(name, "counter", help_text, read)
+
+
+def stat(field: str) -> Callable[[EngineView], float]:
+    """Reads one field of the engine's EngineStats."""
+    return lambda view: float(getattr(view.stats, field))
+
+
+READINGS: tuple[Reading, ...] = (
+    gauge("queue_depth", "Generations waiting for the engine.", lambda v: v.queue_depth),
+    gauge("engine_busy", "1 while the engine runs a generation.", stat("busy")),
+    counter("generations_total", "Generations the engine took.", stat("requests_total")),
+    counter("generations_failed_total", "Generations that failed.", stat("requests_failed")),
+    counter(
+        "generations_cancelled_total",
+        "Generations cancelled (client gone).",
+        stat("requests_cancelled"),
+    ),
+    counter("prompt_tokens_total", "Prompt tokens processed.", stat("prompt_tokens_total")),
+    counter("completion_tokens_total", "Tokens generated.", stat("completion_tokens_total")),
+)
+
+
 class Metrics:
-    started: float = field(default_factory=time.time)
-    requests: Counter[tuple[str, str, str]] = field(default_factory=Counter)
-    in_flight: int = 0
-    finished: Counter[str] = field(default_factory=Counter)
-    cached_tokens: int = 0
-    prefix_hits: int = 0
-    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    decode_tps: Histogram = field(default_factory=lambda: Histogram(TPS_BUCKETS))
-    prefill_tps: Histogram = field(default_factory=lambda: Histogram(TPS_BUCKETS))
+    """The gateway's own series, in a registry of its own (one per app, so apps and tests
+    never share counts). prometheus_client metrics lock, so any thread may update them."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.started = time.time()
+        r = self.registry
+        self.http_requests = Counter(
+            PREFIX + "http_requests_total",
+            "HTTP requests by route and status.",
+            ("method", "route", "status"),
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            PREFIX + "http_requests_in_flight", "HTTP requests being served.", registry=r
+        )
+        self.finished = Counter(
+            PREFIX + "generations_finished_total",
+            "Generations read to the end, by reason.",
+            ("reason",),
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            PREFIX + "prefix_cache_hits_total",
+            "Generations that reused cached prompt state.",
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            PREFIX + "prefix_cache_tokens_total",
+            "Prompt tokens served from the prefix cache.",
+            registry=r,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "From submission (queue wait included) to the first token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.decode_tps = Histogram(
+            PREFIX + "decode_tokens_per_second",
+            "Decode speed per generation.",
+            buckets=TPS_BUCKETS,
+            registry=r,
+        )
+        self.prefill_tps = Histogram(
+            PREFIX + "prefill_tokens_per_second",
+            "Prefill speed per generation (uncached tokens).",
+            buckets=TPS_BUCKETS,
+            registry=r,
+        )
+        Gauge(PREFIX + "start_time_seconds", "Unix time the server started.", registry=r).set(
+            self.started
+        )
+        if os.path.isdir("/proc/self"):
+            ProcessCollector(registry=r)
+        else:  # macOS: prometheus_client's process collector reads only /proc
+            r.register(RusageCollector())
+
+    def request_done(self, method: str, route: str, status: int) -> None:
+        self.http_requests.labels(method=method, route=route, status=str(status)).inc()
 
     def first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
+        _observe(self.ttft, seconds)
 
     def generation_done(self, reason: FinishReason, stats: GenerationStats) -> None:
-        self.finished[reason.value] += 1
-        self.cached_tokens += stats.cached_tokens
+        self.finished.labels(reason=reason.value).inc()
+        self.cached_tokens.inc(stats.cached_tokens)
         if stats.cached_tokens > 0:
-            self.prefix_hits += 1
+            self.prefix_hits.inc()
         if stats.completion_tokens > 1 and stats.decode_seconds > 0:
-            self.decode_tps.observe(stats.decode_tps)
+            _observe(self.decode_tps, stats.decode_tps)
         if stats.prefill_seconds > 0 and stats.prompt_tokens > stats.cached_tokens:
-            self.prefill_tps.observe(stats.prefill_tps)
+            _observe(self.prefill_tps, stats.prefill_tps)
+
+    def render(self, view: EngineView) -> str:
+        return generate_latest(_Scrape(self.registry, view)).decode("utf-8")
 
 
-def _num(value: float) -> str:
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
-    return repr(float(value))
+def _observe(histogram: Histogram, value: float) -> None:
+    if not math.isnan(value):
+        histogram.observe(value)
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class _Scrape(Collector):
+    """One scrape: the served model, the engine's readings, then the registry."""
+
+    def __init__(self, registry: CollectorRegistry, view: EngineView) -> None:
+        self._registry = registry
+        self._view = view
+
+    def collect(self) -> Iterable[Metric]:
+        info = GaugeMetricFamily(PREFIX + "info", "The served model.", labels=["model"])
+        info.add_metric([self._view.model], 1)
+        yield info
+        for reading in READINGS:
+            yield reading.family(self._view)
+        yield from self._registry.collect()
 
 
-def _labels(**labels: str) -> str:
-    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-    return "{" + inner + "}" if inner else ""
+class RusageCollector(Collector):
+    """Process series where there is no /proc: CPU time and peak resident memory from
+    getrusage (the current size needs /proc), open descriptors from /dev/fd."""
 
-
-def _family(name: str, kind: str, help_text: str, samples: Iterable[str]) -> list[str]:
-    full = PREFIX + name
-    # samples spell the metric's name as "@" (histogram lines add their own suffixes)
-    lines = [s.replace("@", full, 1) for s in samples]
-    return [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}", *lines]
-
-
-def _counter(name: str, help_text: str, value: float, kind: str = "counter") -> list[str]:
-    return _family(name, kind, help_text, [f"@ {_num(value)}"])
+    def collect(self) -> Iterable[Metric]:
+        try:
+            import resource
+        except ImportError:  # Windows
+            return
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        yield CounterMetricFamily(
+            "process_cpu_seconds_total",
+            "Total user and system CPU time spent in seconds.",
+            value=usage.ru_utime + usage.ru_stime,
+        )
+        scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, else KiB
+        yield GaugeMetricFamily(
+            "process_peak_resident_memory_bytes",
+            "Largest resident memory size in bytes.",
+            value=usage.ru_maxrss * scale,
+        )
+        with contextlib.suppress(OSError):
+            count = len(os.listdir("/dev/fd"))
+            yield GaugeMetricFamily(
+                "process_open_fds", "Number of open file descriptors.", value=count
+            )
 
 
 def render(metrics: Metrics, *, model: str, queue_depth: int, engine: EngineStats) -> str:
     """The exposition text; `engine` is read, never written (the worker owns it)."""
-    requests = [
-        f"@{_labels(method=m, route=r, status=s)} {n}"
-        for (m, r, s), n in sorted(metrics.requests.items())
-    ]
-    finished = [f"@{_labels(reason=r)} {n}" for r, n in sorted(metrics.finished.items())]
-    out = _family("info", "gauge", "The served model.", [f"@{_labels(model=model)} 1"])
-    out += _counter("start_time_seconds", "Unix time the server started.", metrics.started, "gauge")
-    out += _family("http_requests_total", "counter", "HTTP requests by route and status.", requests)
-    out += _counter(
-        "http_requests_in_flight", "HTTP requests being served.", metrics.in_flight, "gauge"
-    )
-    out += _counter("queue_depth", "Generations waiting for the engine.", queue_depth, "gauge")
-    out += _counter(
-        "engine_busy", "1 while the engine runs a generation.", int(engine.busy), "gauge"
-    )
-    out += _counter("generations_total", "Generations the engine took.", engine.requests_total)
-    out += _counter("generations_failed_total", "Generations that failed.", engine.requests_failed)
-    out += _counter(
-        "generations_cancelled_total",
-        "Generations cancelled (client gone).",
-        engine.requests_cancelled,
-    )
-    out += _family(
-        "generations_finished_total", "counter", "Generations read to the end, by reason.", finished
-    )
-    out += _counter("prompt_tokens_total", "Prompt tokens processed.", engine.prompt_tokens_total)
-    out += _counter("completion_tokens_total", "Tokens generated.", engine.completion_tokens_total)
-    out += _counter(
-        "prefix_cache_hits_total",
-        "Generations that reused cached prompt state.",
-        metrics.prefix_hits,
-    )
-    out += _counter(
-        "prefix_cache_tokens_total",
-        "Prompt tokens served from the prefix cache.",
-        metrics.cached_tokens,
-    )
-    out += _family(
-        "time_to_first_token_seconds",
-        "histogram",
-        "From submission (queue wait included) to the first token.",
-        metrics.ttft.lines("@"),
-    )
-    out += _family(
-        "decode_tokens_per_second",
-        "histogram",
-        "Decode speed per generation.",
-        metrics.decode_tps.lines("@"),
-    )
-    out += _family(
-        "prefill_tokens_per_second",
-        "histogram",
-        "Prefill speed per generation (uncached tokens).",
-        metrics.prefill_tps.lines("@"),
-    )
-    return "\n".join(out) + "\n"
+    return metrics.render(EngineView(model=model, queue_depth=queue_depth, stats=engine))
 
 
 def _route(scope: Scope) -> str:
@@ -192,12 +249,12 @@ class MetricsMiddleware:
                 status = int(message["status"])
             await send(message)
 
-        metrics.in_flight += 1
+        metrics.in_flight.inc()
         try:
             await self.app(scope, receive, watch)
         finally:
-            metrics.in_flight -= 1
-            metrics.requests[(scope["method"], _route(scope), str(status))] += 1
+            metrics.in_flight.dec()
+            metrics.request_done(scope["method"], _route(scope), status)
 
 
 async def metrics_endpoint(request: Request) -> Response:
@@ -205,4 +262,4 @@ async def metrics_endpoint(request: Request) -> Response:
     served = request.app.state.served
     engine = served.engine
     text = render(metrics, model=served.id, queue_depth=engine.queue_depth, engine=engine.stats)
-    return PlainTextResponse(text, media_type=CONTENT_TYPE)
+    return Response(text, media_type=CONTENT_TYPE)

@@ -9,11 +9,18 @@ from dataclasses import dataclass
 import parsers
 from gateway.core.capabilities import tool_call_opener
 from gateway.core.errors import InvalidRequest, Unprocessable
-from gateway.core.images import expand_markers, image_sources, load_images, require_vision
+from gateway.core.images import (
+    expand_markers,
+    image_sources,
+    place_images,
+    read_images,
+    require_vision,
+)
 from gateway.core.plan import ChatPlan, has_images
 from gateway.core.served import ServedModel
 from gateway.core.structured import forced_call, request_constraint
 from parsers.events import Event
+from runtime.images import PreparedImage
 from runtime.types import Constraint, PromptImage, ReasoningBudget
 from templates import TURN_OPENERS, TemplateError
 
@@ -68,8 +75,12 @@ def prepare(served: ServedModel, plan: ChatPlan) -> Prepared:
     text = render(served, plan)
     sources = image_sources(plan.messages)
     spec = require_vision(served.loaded.vision, served.id, plan.messages_field) if sources else None
+    read: list[PreparedImage] = []
     if spec is not None:
-        text = expand_markers(text, spec, len(sources), plan.messages_field)
+        # read first: how many tokens an image takes may depend on its size
+        read = read_images(spec, sources, served.image_policy, plan.messages_field)
+        lengths = [spec.tokens(image.shape) for image in read]
+        text = expand_markers(text, spec, len(sources), plan.messages_field, lengths)
     caps = served.caps
     think: parsers.ThinkMode = parsers.think_mode(text) if caps.thinking else False
     prefix = ""
@@ -98,8 +109,7 @@ def prepare(served: ServedModel, plan: ChatPlan) -> Prepared:
     constraint = request_constraint(plan, caps.parser, lead, served.loaded.tokenizer, forced)
     images: tuple[PromptImage, ...] = ()
     if spec is not None:
-        policy = served.image_policy
-        images = load_images(spec, sources, tokens, policy, plan.messages_field)
+        images = place_images(spec, read, tokens, plan.messages_field)
     return Prepared(
         tokens, caps.parser, think, prefix, _budget(served, plan, think, inside),
         message_starts(served, tokens), constraint, images,

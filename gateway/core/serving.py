@@ -25,6 +25,8 @@ class EngineSettings:
     snapshot_interval: int = 1024
     template_family: str | None = None  # force a built-in renderer
     parser: str | None = None  # force an output parser
+    # the engine's watchdog fails and restarts a worker with work but no step this long
+    stall_seconds: float = 300.0
 
 
 def build_served(
@@ -74,7 +76,7 @@ def build_served(
             runner_settings, prefix_cache_bytes=settings.prefix_cache_bytes
         )
     runner = ModelRunner(model, runner_settings)
-    engine = Engine(runner, max_queue=settings.max_queue)
+    engine = Engine(runner, max_queue=settings.max_queue, stall_seconds=settings.stall_seconds)
     log.info("%s: capabilities %s", model_id, caps.card())
     defaults = sampling_defaults(model.generation_config)
     if defaults:

@@ -29,7 +29,9 @@ _ARCHITECTURES: Mapping[str, str] = MappingProxyType(
 )
 # model_type -> module, for configs with a vision_config (the text model plus its vision
 # tower: runtime.vision.VisionModel)
-_VISION_ARCHITECTURES: Mapping[str, str] = MappingProxyType({"gemma3": "gemma3_vision"})
+_VISION_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
+    {"gemma3": "gemma3_vision", "qwen3_5": "qwen3_5_vision"}
+)
 
 
 def supported_model_types() -> list[str]:

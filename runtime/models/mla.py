@@ -115,7 +115,7 @@ class InterleavedRoPE(RoPE):
     queries and keys alike, so their dot products, all attention sees, are the same.
     """
 
-    def __call__(self, x: mx.array, offset: int) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array) -> mx.array:
         if self._mscale != 1.0:
             x = x * mx.array(self._mscale, dtype=x.dtype)
         return mx.fast.rope(

@@ -5,9 +5,10 @@ _a) and every layer MoE in the MoE variant (always renormalised top-k).
 The multimodal config nests the text model under `text_config`; text-only configs
 (`qwen3_5_text`, `qwen3_5_moe_text`) are flat. Checkpoint names come as
 ``model.language_model.*`` (HF multimodal), ``language_model.model.*`` (mlx-community)
-or ``model.*`` (text only); vision weights are skipped. Rotary: multimodal RoPE
+or ``model.*`` (text only); vision weights are skipped here. Rotary: multimodal RoPE
 (`mrope_section`) gives every section the same position for text tokens, so it is plain
-(partial) RoPE here.
+(partial) RoPE here. A dense `qwen3_5` config with a vision_config (and a checkpoint with
+vision weights) builds qwen3_5_vision.py instead: the vision tower and image positions.
 """
 
 from __future__ import annotations

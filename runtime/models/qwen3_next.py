@@ -41,7 +41,7 @@ from runtime.models.decoder import DecoderShape, LayerStack, given_layer_types
 from runtime.models.gated_delta import DeltaNetDims, GatedDeltaNet
 from runtime.models.linear import Linear
 from runtime.models.moe import Routing, SparseMoE, stack_experts
-from runtime.models.rope import RoPE, parse_rope
+from runtime.models.rope import Positions, RoPE, parse_rope
 
 LINEAR_ATTENTION = "linear_attention"
 _LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
@@ -177,7 +177,7 @@ class GatedAttention(Module):
         self.k_norm = RMSNorm(hd, args.rms_norm_eps)
         self.rope = RoPE(args.rope, args.rotary_dim)  # rotates the first rotary_dim dims
 
-    def __call__(self, x: mx.array, cache: Cache) -> mx.array:
+    def __call__(self, x: mx.array, cache: Cache, positions: Positions | None = None) -> mx.array:
         batch, length, _ = x.shape
         hd = self.head_dim
         # per head: [query | gate]
@@ -187,7 +187,11 @@ class GatedAttention(Module):
         k = self.k_norm(self.k_proj(x).reshape(batch, length, self.n_kv_heads, hd))
         k = k.transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(batch, length, self.n_kv_heads, hd).transpose(0, 2, 1, 3)
-        q, k = self.rope(q, cache.offset), self.rope(k, cache.offset)
+        if positions is None:
+            q, k = self.rope(q, cache.offset), self.rope(k, cache.offset)
+        else:  # multimodal RoPE: image tokens on their grid, text after images shifted
+            q = positions.apply(self.rope, q, cache.offset)
+            k = positions.apply(self.rope, k, cache.offset)
         mask = cache.make_mask(length)
         k, v = cache.update_and_fetch(k, v)
         out = attention(q, k, v, scale=hd**-0.5, mask=mask).transpose(0, 2, 1, 3)
@@ -221,7 +225,9 @@ class HybridLayer(Module):
         self.input_layernorm = RMSNorm(dims, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(dims, args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: LayerCache) -> mx.array:
+    def __call__(
+        self, x: mx.array, cache: LayerCache, positions: Positions | None = None
+    ) -> mx.array:
         h = self.input_layernorm(x)
         if self.linear_attn is not None:
             if not isinstance(cache, RecurrentState):
@@ -229,7 +235,7 @@ class HybridLayer(Module):
             h = self.linear_attn(h, cache)
         else:
             assert self.self_attn is not None
-            h = self.self_attn(h, cast(Cache, cache))
+            h = self.self_attn(h, cast(Cache, cache), positions)
         h = x + h
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -176,7 +176,7 @@ class RoPE:
             self._freqs = mx.array((1.0 / inv_freq).astype(np.float32))
             self._base = None
 
-    def __call__(self, x: mx.array, offset: int) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array) -> mx.array:
         if self._mscale != 1.0:
             # yarn scales cos and sin, i.e. the rotated vector, by its attention factor.
             x = x * mx.array(self._mscale, dtype=x.dtype)
@@ -189,3 +189,40 @@ class RoPE:
             offset=offset,
             freqs=self._freqs,
         )
+
+
+def default_inv_freq(theta: float, dims: int) -> np.ndarray[Any, np.dtype[np.float64]]:
+    """The inverse frequency of each of the `dims / 2` rotated pairs (unscaled rope)."""
+    return _base_inv_freq(theta, dims)
+
+
+def rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Rotate the first 2 * cos.shape[-1] dims of (B, H, L, D) `x` by per-position angles
+    ((L, dims / 2) cosines and sines), in mx.fast.rope's non-traditional pairing (dim i
+    with dim i + dims / 2); the rest pass through."""
+    half = cos.shape[-1]
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if x.shape[-1] > 2 * half:
+        parts.append(x[..., 2 * half :])
+    return mx.concatenate(parts, axis=-1)
+
+
+@dataclass(frozen=True)
+class Positions:
+    """Rotary positions other than the cache's offsets, for multimodal RoPE (Qwen's image
+    tokens sit on a grid: runtime/models/qwen3_5_vision.py).
+
+    `shift` moves each row's positions by a constant (an int, or (B,) one per row): the
+    text after images sits at offset + shift. `cos` and `sin` ((L, dims / 2)) instead give
+    every position of a one-row chunk its own angles."""
+
+    shift: int | mx.array = 0
+    cos: mx.array | None = None
+    sin: mx.array | None = None
+
+    def apply(self, rope: RoPE, x: mx.array, offset: int | mx.array) -> mx.array:
+        if self.cos is None or self.sin is None:
+            return rope(x, offset + self.shift)
+        return rotate(x, self.cos, self.sin)

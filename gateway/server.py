@@ -1,0 +1,113 @@
+"""Runs the app under uvicorn with a drain in front of uvicorn's signal handling.
+
+uvicorn's first SIGTERM or SIGINT closes the listening socket and then waits for every
+open connection to close, so a long generation kept the process up for as long as it
+ran ("Waiting for connections to close"), and a client arriving meanwhile was refused a
+connection rather than told to retry. Here the first signal drains instead: the engine
+refuses new generations (a 503 with Retry-After in each dialect's error shape; /health
+says `draining`), the running ones get `grace` seconds to finish, the rest are then
+cancelled (each stream ends with its dialect's error event, not a dropped connection),
+and only then does uvicorn shut down; the process exits 0. A second signal exits at
+once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from types import FrameType
+
+import uvicorn
+from starlette.applications import Starlette
+
+from gateway.core.served import ServedModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRACE_S = 30.0
+# after the engine's work ended, how long the answers get to go out before uvicorn
+# shuts down (and, as its graceful-shutdown timeout, to close their connections)
+FLUSH_S = 5.0
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: Starlette, grace: float) -> None:
+        super().__init__(config)
+        self.app = app
+        self.grace = max(0.0, grace)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._signalled = False
+        self._draining: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """The signal handler uvicorn installs (in the main thread, between bytecodes).
+        Not uvicorn's own: that one re-raises the signal after shutdown, which would end
+        the process by the signal instead of with status 0."""
+        if self._signalled:
+            name = signal.Signals(sig).name
+            sys.stderr.write(f"mlx-gateway: second {name}: exiting now\n")
+            sys.stderr.flush()
+            os._exit(128 + sig)
+        self._signalled = True
+        loop = self._loop
+        if loop is None or not self.started:
+            self.should_exit = True  # still loading the model: stop once that ends
+            return
+        loop.call_soon_threadsafe(self._start_drain, sig)
+
+    def _start_drain(self, sig: int) -> None:
+        self._draining = asyncio.ensure_future(self._drain(sig))
+
+    async def _drain(self, sig: int) -> None:
+        try:
+            served = getattr(self.app.state, "served", None)
+            if isinstance(served, ServedModel):
+                await self._finish_work(served, signal.Signals(sig).name)
+                await self._flush()
+        finally:
+            self.should_exit = True
+
+    async def _finish_work(self, served: ServedModel, name: str) -> None:
+        engine = served.engine
+        engine.drain()
+        loop = asyncio.get_running_loop()
+        if engine.pending:
+            log.warning(
+                "%s: draining: new requests get 503; %d running get up to %g s to finish "
+                "(a second signal exits at once)",
+                name,
+                engine.pending,
+                self.grace,
+            )
+        deadline = loop.time() + self.grace
+        while engine.pending and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.pending:
+            cancelled = engine.cancel_all("server shutting down")
+            log.warning("cancelled %d requests still running after %g s", cancelled, self.grace)
+
+    async def _flush(self) -> None:
+        """Let the answers that just got their final events send them."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + FLUSH_S
+        while self.server_state.tasks and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
+
+def run_server(
+    app: Starlette, *, host: str, port: int, log_level: str, grace: float = DEFAULT_GRACE_S
+) -> int:
+    """Serve until a signal, drained as above; the process's exit status."""
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(FLUSH_S)
+    )
+    DrainingServer(config, app, grace).run()
+    return 0
