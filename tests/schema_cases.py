@@ -17,6 +17,23 @@ from typing import Any
 
 FIXTURES_ENV = "MLX_GATEWAY_CLIENT_FIXTURES"
 
+# two small tools' parameters whose every valid call a random model finishes quickly
+WEATHER_TOOL_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME_TOOL_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+
 SCHEMAS: dict[str, dict[str, Any]] = {
     "nested_object": {
         "type": "object",

@@ -7,6 +7,7 @@ schema the grammar engine cannot compile is a 400 naming the keyword."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -20,7 +21,7 @@ from pydantic import BaseModel, Field
 from gateway.core.serving import build_served
 from runtime.tokenizer import Tokenizer
 from tests.live_server import live_server
-from tests.schema_cases import SCHEMAS, bounded
+from tests.schema_cases import SCHEMAS, TIME_TOOL_PARAMS, WEATHER_TOOL_PARAMS, bounded
 
 MODEL = "tiny-qwen3"
 SCHEMA = SCHEMAS["nested_object"]
@@ -46,7 +47,10 @@ def claude(base_url: str) -> anthropic.Anthropic:
 
 
 def _json_schema(schema: dict[str, Any], *, strict: bool = True) -> Any:
-    return {"type": "json_schema", "json_schema": {"name": "user", "schema": schema, "strict": strict}}
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "user", "schema": schema, "strict": strict},
+    }
 
 
 @pytest.mark.parametrize("strict", [True, False])
@@ -117,7 +121,9 @@ def test_responses_text_format(oai: openai.OpenAI) -> None:
 def test_anthropic_output_format(claude: anthropic.Anthropic, field: str) -> None:
     schema = SCHEMAS["one_of"]
     fmt = {"type": "json_schema", "schema": schema}
-    body = {"output_config": {"format": fmt}} if field == "output_config" else {"output_format": fmt}
+    body = (
+        {"output_config": {"format": fmt}} if field == "output_config" else {"output_format": fmt}
+    )
     done = claude.messages.create(
         model=MODEL, max_tokens=200, messages=[{"role": "user", "content": "A shape?"}],
         thinking={"type": "disabled"}, extra_body=body,
@@ -153,26 +159,11 @@ def test_uncompilable_schemas_are_a_400_naming_the_keyword(
     assert error["error"]["type"] == "invalid_request_error"
 
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 8},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
 TOOLS: Any = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_TOOL_PARAMS}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME_TOOL_PARAMS}},
 ]
-ARGS = {"get_weather": WEATHER, "get_time": TIME}
+ARGS = {"get_weather": WEATHER_TOOL_PARAMS, "get_time": TIME_TOOL_PARAMS}
 
 
 @pytest.mark.parametrize(
@@ -226,3 +217,59 @@ def test_response_format_next_to_tools_can_call(oai: openai.OpenAI, tiny_qwen3_d
     calls = done.choices[0].message.tool_calls or []
     assert len(calls) == 1 and calls[0].type == "function"
     jsonschema.validate(json.loads(calls[0].function.arguments), ARGS[calls[0].function.name])
+
+
+def test_auto_tool_calls_keep_to_the_call_grammar(oai: openai.OpenAI, tiny_qwen3_dir: Path) -> None:
+    """tool_choice auto with no response format: the reply is free text in which a call
+    the model opens (a bias makes it open one) names a declared tool with valid
+    arguments; unbiased, the random model just writes text."""
+    opener = Tokenizer.from_folder(tiny_qwen3_dir).token_to_id("<tool_call>")
+    for seed in range(3):
+        done = oai.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=150, seed=seed, tools=TOOLS,
+            parallel_tool_calls=False, logit_bias={str(opener): 100}, extra_body=NO_THINKING,
+        )  # fmt: skip
+        # after the call the random model writes noise (no second call can start)
+        # until the budget ends the reply
+        calls = done.choices[0].message.tool_calls or []
+        assert len(calls) == 1 and calls[0].type == "function"
+        jsonschema.validate(json.loads(calls[0].function.arguments), ARGS[calls[0].function.name])
+    free = oai.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=30, seed=0, tools=TOOLS, extra_body=NO_THINKING,
+    )  # fmt: skip
+    assert free.choices[0].finish_reason == "length" and not free.choices[0].message.tool_calls
+
+
+CALC_GRAMMAR = 'start: op " " NUM\nop: "add" | "sub"\nNUM: /[0-9]{1,3}/\n'
+
+
+def _calc(definition: str, syntax: str = "lark") -> Any:
+    return {
+        "type": "custom", "name": "calc", "description": "Arithmetic.",
+        "format": {"type": "grammar", "syntax": syntax, "definition": definition},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("syntax", ["lark", "regex"])
+def test_custom_tool_input_keeps_to_its_grammar(oai: openai.OpenAI, syntax: str) -> None:
+    """A forced custom tool (Responses): its free-form input follows the tool's own
+    grammar, carried as the pattern of the call's JSON string."""
+    definition = CALC_GRAMMAR if syntax == "lark" else "(add|sub) [0-9]{1,3}"
+    for seed in range(2):
+        done = oai.responses.create(
+            model=MODEL, input="Compute.", max_output_tokens=100, reasoning={"effort": "none"},
+            tools=[_calc(definition, syntax)], tool_choice={"type": "custom", "name": "calc"},
+            extra_body={"seed": seed},
+        )  # fmt: skip
+        calls = [item for item in done.output if item.type == "custom_tool_call"]
+        assert calls
+        for call in calls:
+            assert re.fullmatch(r"(add|sub) [0-9]{1,3}", call.input), call.input
+
+
+def test_uncompilable_custom_tool_grammar_is_a_400(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.create(model=MODEL, input="x", tools=[_calc('start: "a" undefined_rule')])
+    body: Any = err.value.body
+    assert body["param"] == "tools[0].format.definition"
+    assert "undefined_rule" in err.value.message

@@ -7,6 +7,12 @@ silently unconstrained run. Tool parameter schemas are compiled leniently instea
 client wrote them for its own tools, not as an output contract, and refusing Claude
 Code's (which use `propertyNames`) would refuse the client; the keywords the engine
 does not implement are then not enforced, the rest of the schema is.
+
+Tool calls: a forced call (tool_choice required / named) runs under its format's call
+grammar from the opener on; with tool_choice auto the reply is free text in which a
+call opener starts a call that the grammar then keeps to (declared tool, valid
+arguments): the model is never made to call. A custom tool's own grammar (Responses'
+`format: {type: grammar}`) constrains its input inside the call.
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ from typing import Any
 
 from gateway.core.errors import InvalidRequest
 from gateway.core.plan import ChatPlan
-from parsers.grammars import CallGrammar, call_grammar, free_calls
-from runtime.constraints import ConstraintError, check, json_schema_constraint
+from parsers.grammars import CallGrammar, call_grammar, custom_lark, free_calls
+from runtime.constraints import ConstraintError, check, json_schema_constraint, lark_constraint
 from runtime.tokenizer import Tokenizer
 from runtime.types import Constraint, ReasoningLead
 
@@ -112,23 +118,61 @@ def request_constraint(
     forced: CallGrammar | None,
 ) -> Constraint | None:
     """What the generation runs under. A forced call's grammar continues the opener the
-    prompt ends with; otherwise the response format's, behind a free reasoning block
-    (`think` as parsers.think_mode says), and next to the tool calls the model may make
-    instead of answering."""
+    prompt ends with; otherwise, behind a free reasoning block (`think` as
+    parsers.think_mode says), the response format's grammar next to the tool calls the
+    model may make instead of answering, or with tools on auto and no response format,
+    free text in which the calls the model opens keep to their grammar."""
     if forced is not None:
-        return _checked(Constraint(forced.after_opener, name="tools"))
+        return _checked(Constraint(forced.after_opener, forced.parts, name="tools"))
+    if plan.tools.choice in ("required", "named"):
+        return None  # a format without a grammar: the opener alone forces the call
     answer = plan.constraint
-    if answer is None or plan.tools.choice in ("required", "named"):
-        return None
     reasoning: ReasoningLead = "open" if think == "open" else ("optional" if think else "none")
     if plan.tools.choice == "auto" and plan.tools.tools:
         tag = marker_tag(tokenizer)
         grammar = _calls(plan, parser, tag)
+        if answer is None:
+            if grammar is None:
+                return None
+            lazy = _checked(Constraint(grammar.lazy, grammar.parts, name="tools"))
+            return replace(lazy, reasoning=reasoning)
         calls = grammar.rules if grammar is not None else free_calls(parser, tag=tag)
         if calls is not None:
             main = f"start: @{_ANSWER} | calls\n{calls}"
-            answer = _checked(Constraint(main, ((_ANSWER, answer.grammar),), name=answer.name))
+            parts = ((_ANSWER, answer.grammar), *answer.parts)
+            parts += grammar.parts if grammar is not None else ()
+            answer = _checked(Constraint(main, parts, name=answer.name))
+    if answer is None:
+        return None
     return replace(answer, reasoning=reasoning)
+
+
+def custom_tool_grammar(fmt: Mapping[str, Any] | None, *, param: str) -> dict[str, str] | None:
+    """A custom tool's `format` as the annotation (parsers.grammars.GRAMMAR_KEY) of its
+    string input: None for free text; a grammar the engine cannot compile is a 400
+    naming the problem, never a silently unconstrained input."""
+    if not fmt or fmt.get("type") != "grammar":
+        return None
+    syntax = fmt.get("syntax") or "lark"
+    if syntax not in ("lark", "regex"):
+        raise InvalidRequest(
+            f"{param}.syntax must be 'lark' or 'regex', not {syntax!r}", param=f"{param}.syntax"
+        )
+    definition = fmt.get("definition")
+    if not isinstance(definition, str) or not definition.strip():
+        raise InvalidRequest(
+            f"{param}.definition must be the {syntax} grammar's text", param=f"{param}.definition"
+        )
+    try:
+        check(lark_constraint(custom_lark(syntax, definition), name=param))
+    except ConstraintError as exc:
+        raise InvalidRequest(
+            f"{param}.definition: this {syntax} grammar cannot be compiled by the server's "
+            f"grammar engine (llguidance): {exc}",
+            param=f"{param}.definition",
+            code="invalid_grammar",
+        ) from None
+    return {"syntax": syntax, "definition": definition}
 
 
 def _checked(constraint: Constraint) -> Constraint:

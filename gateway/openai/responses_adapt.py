@@ -25,11 +25,12 @@ from gateway.core.plan import (
     sent_sampling,
 )
 from gateway.core.plan import tool_plan as neutral_tool_plan
-from gateway.core.structured import format_constraint
+from gateway.core.structured import custom_tool_grammar, format_constraint
 from gateway.openai import adapt as chat_adapt
 from gateway.openai import wire
 from gateway.openai.responses_wire import Item, Part, ResponsesRequest
 from gateway.openai.responses_wire import Tool as WireTool
+from parsers.grammars import GRAMMAR_KEY
 from runtime.types import Constraint, SamplingParams
 from templates.types import ImagePart, Message, RenderOptions, TextPart, Tool, ToolCall
 
@@ -243,7 +244,43 @@ def tool_plan(req: ResponsesRequest, *, supported: bool) -> tuple[ToolPlan, dict
         # allowed ones are read back as calls
         kept = tuple(s for s in plan.schemas if s["function"]["name"] in allowed)
         plan = dataclasses.replace(plan, schemas=kept)
+    grammars = _input_grammars(req.tools)
+    if grammars and plan.schemas:
+        schemas = tuple(_with_grammar(s, grammars.get(s["function"]["name"])) for s in plan.schemas)
+        plan = dataclasses.replace(plan, schemas=schemas)
     return plan, names
+
+
+def _input_grammars(tools: Sequence[WireTool] | None) -> dict[str, dict[str, str]]:
+    """The grammar of each custom tool whose format is one, by the name the model sees
+    (a 400 for a grammar the engine cannot compile)."""
+    found: dict[str, dict[str, str]] = {}
+    for i, tool in enumerate(tools or ()):
+        if tool.type == "namespace":
+            inner = [
+                (t, f"tools[{i}].tools[{j}]", tool.name) for j, t in enumerate(tool.tools or ())
+            ]
+        else:
+            inner = [(tool, f"tools[{i}]", None)]
+        for t, where, namespace in inner:
+            if t.type != "custom" or not t.name:
+                continue
+            grammar = custom_tool_grammar(t.format, param=f"{where}.format")
+            if grammar is not None:
+                found[flat_name(t.name, namespace)] = grammar
+    return found
+
+
+def _with_grammar(schema: dict[str, Any], grammar: dict[str, str] | None) -> dict[str, Any]:
+    """A custom tool's schema for the output side (the call grammar and the parser):
+    its `input` carries the tool's grammar. The prompt shows the tool without it."""
+    if grammar is None:
+        return schema
+    params = dict(schema["function"]["parameters"])
+    props = dict(params.get("properties") or {})
+    props["input"] = {**props.get("input", {"type": "string"}), GRAMMAR_KEY: grammar}
+    params["properties"] = props
+    return {**schema, "function": {**schema["function"], "parameters": params}}
 
 
 # -- input items -> messages ----------------------------------------------------------
