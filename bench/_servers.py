@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,10 +45,11 @@ def _gateway_spec(name: str, alias: str, port: int) -> ServerSpec:
     return ServerSpec(name, note, tuple(cmd), alias, "/health")
 
 
-def _mlx_spec(folder: Path, port: int, n_requests: int) -> ServerSpec:
+def _mlx_spec(folder: Path, port: int, n_requests: int, extra: Sequence[str] = ()) -> ServerSpec:
     argv = ["mlx_lm.server", "--model", str(folder), "--host", "127.0.0.1", "--port", str(port)]
     # its LRU keeps whole prompt caches by count: room for every request of the replay
     argv += ["--prompt-cache-size", str(max(10, 2 * n_requests)), "--log-level", "WARNING"]
+    argv += list(extra)  # e.g. its batching options (bench/concurrency.py)
     code = (
         "from runtime import backend; backend.configure(); import sys; "
         f"from mlx_lm.server import main; sys.argv = {argv!r}; main()"

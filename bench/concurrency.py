@@ -1,30 +1,44 @@
-"""Concurrent streams: the gateway's continuous batching against mlx-lm's, in one run.
+"""Concurrent streams: the gateway's continuous batching against mlx-lm's, in one run (issue 11).
 
-Two measurements (issue 11), each server in its own process on 127.0.0.1:
+Every server runs in its own process on 127.0.0.1, one at a time, and is stopped after.
 
-1. Throughput. N concurrent streaming chat completions (N = --streams, default
-   1,2,4,8,16), each a different short prompt asking for a long story, --gen-tokens new
-   tokens, greedy. Aggregate completion tokens/s (usage tokens summed over wall time from
-   the first submit to the last finish) and the ratio to one stream, for:
-     gateway          `mlx-gateway serve --max-batch 16` (float32 + optimized BLAS)
-     gateway-nobatch  the same with `--max-batch 1` (batching off), for reference
-     mlx-lm           `mlx_lm.server --decode-concurrency 16 --prompt-concurrency 16` on
-                      the same float32 weights with the same BLAS preloaded
+1. Throughput. For each model (--models), N concurrent streaming chat completions
+   (N = --streams, default 1,2,4,8,16; one thread and one httpx stream each), each a
+   different short prompt asking for a long story, --gen-tokens new tokens, temperature 0.
+   Aggregate completion tokens/s = the usage completion tokens of all N summed, over the
+   wall time from the first submit to the last finish; and its ratio to one stream. Servers:
+     gateway --max-batch 1   `mlx-gateway serve --max-batch 1` (batching off), the reference
+                             every other server's texts are compared with
+     gateway                 `mlx-gateway serve --max-batch 16`
+     mlx-lm                  `mlx_lm.server --decode-concurrency 16 --prompt-concurrency 16`
+                             on our loader's float32 weights with the same BLAS preloaded
+   Also shown: mean completion tokens per stream, the largest batch the gateway's /health
+   reported while the round ran, and how many streams wrote exactly the text the
+   gateway --max-batch 1 wrote for the same prompt (greedy; batched float32 sums may
+   legitimately round differently, so this is a sanity check, not a target).
    Targets: gateway at 8 streams >= 4x its 1 stream; gateway >= 1.0x mlx-lm at each N.
-2. Interference (gateway, prefix cache off so every prompt is computed in full): four
-   streams decode continuously (each loops requests) while one long prompt
-   (--long-tokens of synthetic code) arrives. The streams' inter-token latency (gaps
-   between content chunks) p50 / p95 before it arrives and while it is being read, and
-   the long prompt's time to first token against the same prompt sent alone.
-   Targets: p95 during <= 3x p95 unloaded; long TTFT <= 1.5x its solo TTFT.
+
+2. Interference (the last model of --models; its context must hold --long-tokens, and
+   SmolLM2's is 8k). Four streams decode the whole time (each loops requests and is cut
+   off by closing its connection at the end) while one long prompt of Python source
+   (--long-tokens, max_tokens 1) arrives. The streams' inter-token latency -- gaps between
+   SSE chunks that carry content, within one request -- p50 / p95 over at least 15 s (and
+   120 gaps) of steady decoding before it arrives ("unloaded") and over the gaps that
+   overlap its prefill (from its submit to its first token, "during"); and its time to
+   first token against the same prompt, but for its first words, sent alone beforehand.
+   The gateway runs with --prefix-cache-bytes 0 and every long prompt starts with a
+   unique tag, so both the solo and the loaded one are computed in full.
+   Stream requests that started while the long prompt was being read wait for it (one
+   prefill at a time); their count and longest wait are shown too.
+   Targets: p95 during <= 3x p95 unloaded; long TTFT with the streams <= 1.5x alone.
+   mlx-lm is measured the same way unless --skip-mlx or --skip-mlx-interference.
 
     python bench/concurrency.py [--models smollm2-135m qwen2.5-coder-0.5b]
         [--streams 1,2,4,8,16] [--gen-tokens 128] [--long-tokens 16384]
-        [--skip-mlx] [--skip-interference] [--json out.json]
+        [--skip-mlx] [--skip-interference] [--skip-mlx-interference] [--json out.json]
 
-The interference part uses the last model given (its context must hold --long-tokens;
-SmolLM2's is 8k). The machine is shared: absolute numbers are noise, the ratios measured
-in the same run are the result.
+Models come from `mlx-gateway pull ALIAS`. The machine may be shared: absolute numbers are
+noise, the ratios measured in the same run are the result.
 """
 
 from __future__ import annotations
@@ -36,7 +50,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,183 +58,518 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
-from bench._servers import ServerSpec, _free_port, _mlx_spec, _one_line, running  # noqa: E402
+from bench._servers import (  # noqa: E402
+    ServerSpec,
+    _free_port,
+    _log_tail,
+    _mlx_spec,
+    _one_line,
+    running,
+)
 
 TOPICS = (
     "a dragon", "a robot", "the sea", "a city at night", "a mountain village", "a chef",
     "a pilot", "an old forest", "the moon", "a violin maker", "a desert caravan",
     "a clockmaker", "a library", "a long winter", "a night train", "a secret garden",
 )  # fmt: skip
+BATCH = 16  # the gateway's --max-batch and mlx-lm's concurrency options
+MLX_BATCHING = ("--decode-concurrency", str(BATCH), "--prompt-concurrency", str(BATCH))
+REQUEST_TIMEOUT_S = 3600.0
+STREAMS_LOADED = 4  # streams decoding while the long prompt arrives
+STREAM_MAX_TOKENS = 4096  # interference streams are cut off by closing, not by this
+UNLOADED_S = 15.0  # seconds of steady decoding measured before the long prompt, at least
+UNLOADED_GAPS = 120  # ... and until this many gaps are in (120 s at most)
+SETTLE_S = 3.0  # after every stream's first token, before the unloaded window opens
+TARGET_SCALING = 4.0  # gateway at 8 streams vs 1
+TARGET_VS_MLX = 1.0
+TARGET_ITL = 3.0
+TARGET_TTFT = 1.5
 
 
-def _gateway(alias: str, port: int, *extra: str) -> ServerSpec:
-    cmd = [sys.executable, "-m", "gateway.cli.main", "serve", "--model", alias]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), *extra]
-    return ServerSpec("gateway " + " ".join(extra), "", tuple(cmd), alias, "/health")
+def story(i: int) -> str:
+    topic = TOPICS[i % len(TOPICS)]
+    return (
+        f"Write a long, detailed story about {topic}, at least a thousand words, "
+        f"with many characters, places and events. Story number {i + 1}."
+    )
 
 
-def _chat(base: str, model: str, prompt: str, max_tokens: int) -> tuple[int, list[float]]:
-    """Stream one chat completion; (completion tokens, arrival time of each content chunk)."""
+# ---------------------------------------------------------------- one stream
+@dataclass
+class Reply:
+    sent: float
+    first: float | None = None  # first chunk with content or a finish reason
+    arrivals: list[float] = field(default_factory=list)  # chunks that carry content
+    text: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def chat(
+    base: str, model: str, prompt: str, max_tokens: int,
+    stop: threading.Event | None = None, live: list[Reply] | None = None,
+) -> Reply:  # fmt: skip
+    """One streaming chat completion. `stop` set: close the connection at the next chunk
+    (the server cancels). `live`: the reply is appended there before it is sent, so another
+    thread can watch its arrivals."""
     body = {
         "model": model, "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True},
     }  # fmt: skip
-    arrivals: list[float] = []
-    tokens = 0
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=3600) as r:
-        r.raise_for_status()
+    reply = Reply(time.perf_counter())
+    if live is not None:
+        live.append(reply)
+    parts: list[str] = []
+    url = f"{base}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, timeout=REQUEST_TIMEOUT_S) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if stop is not None and stop.is_set():
+                break
+            if not line.startswith("data: ") or line.strip() == "data: [DONE]":
                 continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = int(chunk["usage"]["completion_tokens"])
-            choices = chunk.get("choices") or []
-            if choices and (choices[0].get("delta") or {}).get("content"):
-                arrivals.append(time.perf_counter())
-    return tokens or len(arrivals), arrivals
+            _take(json.loads(line[6:]), time.perf_counter(), reply, parts)
+    reply.text = "".join(parts)
+    reply.completion_tokens = reply.completion_tokens or len(reply.arrivals)
+    return reply
 
 
-def throughput(base: str, model: str, n: int, gen: int) -> float:
-    """Aggregate completion tokens/s of n concurrent streams."""
-    counts = [0] * n
+def _take(chunk: dict[str, Any], now: float, reply: Reply, parts: list[str]) -> None:
+    if "error" in chunk:
+        raise RuntimeError(f"error in the stream: {json.dumps(chunk)[:300]}")
+    usage = chunk.get("usage")
+    if usage:
+        reply.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        reply.completion_tokens = int(usage.get("completion_tokens") or 0)
+    for choice in chunk.get("choices") or []:
+        content = (choice.get("delta") or {}).get("content")
+        if content:
+            reply.arrivals.append(now)
+            parts.append(content)
+        if reply.first is None and (content or choice.get("finish_reason")):
+            reply.first = now
+
+
+# ---------------------------------------------------------------- throughput
+@dataclass
+class Round:
+    """N concurrent streams."""
+
+    n: int
+    seconds: float
+    tokens: list[int]
+    texts: list[str]
+    max_running: int | None  # the largest batch /health reported (the gateway only)
+
+    @property
+    def tps(self) -> float:
+        return sum(self.tokens) / self.seconds
+
+
+class _HealthWatch:
+    """Polls the gateway's /health while a round runs: the largest `running` seen."""
+
+    def __init__(self, base: str) -> None:
+        self.base, self.peak, self.ok = base, 0, False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=5.0) as client:
+            while not self._stop.wait(0.25):
+                try:
+                    running = client.get(self.base + "/health").json().get("running")
+                except (httpx.HTTPError, ValueError):
+                    continue
+                if isinstance(running, int):
+                    self.peak, self.ok = max(self.peak, running), True
+
+    def __enter__(self) -> _HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_round(base: str, model: str, n: int, gen: int, watch: bool) -> Round:
+    replies: list[Reply | None] = [None] * n
     errors: list[str] = []
 
     def client(i: int) -> None:
         try:
-            prompt = f"Write a long story about {TOPICS[i % len(TOPICS)]}. Story {i}:"
-            counts[i] = _chat(base, model, prompt, gen)[0]
-        except Exception as exc:  # reported in the table
-            errors.append(_one_line(exc))
+            replies[i] = chat(base, model, story(i), gen)
+        except Exception as exc:  # every failure is reported
+            errors.append(f"stream {i}: {_one_line(exc)}")
 
-    start = time.perf_counter()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with _HealthWatch(base) as health:
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - start
     if errors:
-        raise RuntimeError(errors[0])
-    return sum(counts) / (time.perf_counter() - start)
+        raise RuntimeError(f"{len(errors)} of {n} streams failed; {errors[0]}")
+    done = [r for r in replies if r is not None]
+    peak = health.peak if watch and health.ok else None
+    return Round(n, seconds, [r.completion_tokens for r in done], [r.text for r in done], peak)
 
 
 @dataclass
 class ServerRow:
     name: str
     model: str
-    tps: dict[int, float] = field(default_factory=dict)
+    note: str
+    rounds: dict[int, Round] = field(default_factory=dict)
     error: str | None = None
+    log: str = ""
 
 
 def bench_throughput(
-    spec: ServerSpec, port: int, streams: Sequence[int], gen: int, logs: Path, model: str
+    spec: ServerSpec, port: int, alias: str, streams: Sequence[int], gen: int, logs: Path
 ) -> ServerRow:
-    row = ServerRow(spec.name, model)
+    log = logs / f"{alias}-{spec.name.replace(' ', '_')}.log"
+    row = ServerRow(spec.name, alias, spec.note, log=str(log))
+    print(f"[{alias} {spec.name}] starting, log {log}", file=sys.stderr, flush=True)
     try:
-        with running(spec, port, logs / f"{spec.name.replace(' ', '_')}.log") as base:
-            throughput(base, spec.model, 1, 8)  # warm up
+        with running(spec, port, log) as base:
+            run_round(base, spec.model, 1, 8, watch=False)  # warm up
             for n in streams:
-                row.tps[n] = throughput(base, spec.model, n, gen)
-                print(f"  {spec.name}: {n} streams {row.tps[n]:.1f} tok/s", flush=True)
-    except Exception as exc:
+                got = run_round(base, spec.model, n, gen, watch=spec.name.startswith("gateway"))
+                row.rounds[n] = got
+                print(
+                    f"[{alias} {spec.name}] {n} streams: {got.tps:.1f} tok/s, "
+                    f"{sum(got.tokens)} tokens in {got.seconds:.1f} s",
+                    file=sys.stderr, flush=True,
+                )  # fmt: skip
+    except Exception as exc:  # reported in the table; the next server still runs
         row.error = _one_line(exc)
-        print(f"  {spec.name}: FAILED {row.error}", flush=True)
+        print(f"[{alias} {spec.name}] FAILED: {exc}\n{_log_tail(log, 3000)}", file=sys.stderr)
     return row
 
 
-def _long_prompt(tokens: int, tag: str) -> str:
-    # about 18 tokens a function with Qwen's tokenizer; `tag` makes each prompt unique
-    lines = [f"# {tag}: what do these functions compute?"]
-    lines += [f"def f{i}(x):\n    return x * {i} + {i * i % 97}" for i in range(tokens // 18)]
-    return "\n".join(lines)
+# ---------------------------------------------------------------- interference
+@dataclass
+class Interference:
+    server: str
+    model: str
+    long_prompt_tokens: int = 0
+    solo_ttft: float = float("nan")
+    loaded_ttft: float = float("nan")
+    unloaded: dict[str, float] = field(default_factory=dict)  # p50, p95, max, n
+    during: dict[str, float] = field(default_factory=dict)
+    waits: list[float] = field(default_factory=list)  # stream requests queued behind it
+    error: str | None = None
+    log: str = ""
 
 
 def _quantile(xs: Sequence[float], q: float) -> float:
+    """Linear interpolation between the closest ranks."""
     s = sorted(xs)
-    return s[int(q * (len(s) - 1))] if s else float("nan")
+    if not s:
+        return float("nan")
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-@dataclass
-class Interference:
-    unloaded_p50: float
-    unloaded_p95: float
-    during_p50: float
-    during_p95: float
-    long_ttft: float
-    solo_ttft: float
-    long_prompt_tokens: int
+def _gap_stats(replies: Sequence[Reply], keep: Callable[[float, float], bool]) -> dict[str, float]:
+    gaps = [b - a for r in replies for a, b in itertools.pairwise(r.arrivals) if keep(a, b)]
+    return {
+        "p50": _quantile(gaps, 0.5), "p95": _quantile(gaps, 0.95),
+        "max": max(gaps, default=float("nan")), "n": float(len(gaps)),
+    }  # fmt: skip
 
 
-def interference(base: str, model: str, long_tokens: int) -> Interference:
+def _wait_streaming(live: Sequence[list[Reply]], errors: list[str]) -> None:
+    """Until every stream has its first token."""
+    deadline = time.perf_counter() + 600.0
+    while not all(rs and rs[0].arrivals for rs in live):
+        if errors:
+            raise RuntimeError(errors[0])
+        if time.perf_counter() > deadline:
+            raise RuntimeError("the streams did not start within 600 s")
+        time.sleep(0.1)
+
+
+def _wait_unloaded(live: Sequence[list[Reply]], steady: float) -> None:
+    """At least UNLOADED_S seconds after `steady`, and UNLOADED_GAPS gaps (or 120 s)."""
+    while True:
+        time.sleep(0.5)
+        now = time.perf_counter()
+        gaps = sum(sum(a >= steady for a in r.arrivals[:-1]) for rs in live for r in list(rs))
+        if now >= steady + 120.0 or (now >= steady + UNLOADED_S and gaps >= UNLOADED_GAPS):
+            return
+
+
+def measure_interference(
+    base: str, model: str, prompts: tuple[str, str], out: Interference
+) -> None:
+    """Fills `out`; prompts = (solo, loaded): the same size, different first tokens."""
+    chat(base, model, "Say hello.", 8)  # warm up
+    solo = chat(base, model, prompts[0], 1)
+    assert solo.first is not None, "the solo long prompt gave no token"
+    out.solo_ttft, out.long_prompt_tokens = solo.first - solo.sent, solo.prompt_tokens
+    print(f"[{out.server}] long prompt alone: TTFT {out.solo_ttft:.1f} s", file=sys.stderr)
     stop = threading.Event()
-    gaps_before: list[float] = []
-    gaps_during: list[float] = []
-    window: list[float] = [float("inf"), float("inf")]  # the long prompt: sent, first token
+    live: list[list[Reply]] = [[] for _ in range(STREAMS_LOADED)]
+    errors: list[str] = []
 
-    def stream(i: int) -> None:
-        while not stop.is_set():
-            _, arrivals = _chat(base, model, f"Write a long story about {TOPICS[i]}.", 200)
-            for a, b in itertools.pairwise(arrivals):
-                if a < window[0]:
-                    gaps_before.append(b - a)
-                elif a < window[1]:
-                    gaps_during.append(b - a)
+    def loop(i: int) -> None:
+        try:
+            while not stop.is_set():
+                chat(base, model, story(i), STREAM_MAX_TOKENS, stop, live[i])
+        except Exception as exc:  # every failure is reported
+            errors.append(f"stream {i}: {_one_line(exc)}")
 
-    solo_start = time.perf_counter()
-    solo_tokens, solo = _chat(base, model, _long_prompt(long_tokens, "solo"), 1)
-    solo_ttft = solo[0] - solo_start if solo else float("nan")
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(STREAMS_LOADED)]
     for t in threads:
         t.start()
-    time.sleep(20)  # the streams reach their steady state
-    window[0] = time.perf_counter()
-    _, first = _chat(base, model, _long_prompt(long_tokens, "loaded"), 1)
-    window[1] = first[0] if first else time.perf_counter()
-    stop.set()
-    for t in threads:
-        t.join()
-    prompt_tokens = long_tokens  # requested size; the usage below is informative only
-    del solo_tokens
-    return Interference(
-        _quantile(gaps_before, 0.5), _quantile(gaps_before, 0.95),
-        _quantile(gaps_during, 0.5), _quantile(gaps_during, 0.95),
-        window[1] - window[0], solo_ttft, prompt_tokens,
-    )  # fmt: skip
+    try:
+        _wait_streaming(live, errors)
+        steady = time.perf_counter() + SETTLE_S
+        _wait_unloaded(live, steady)
+        loaded = chat(base, model, prompts[1], 1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    if errors:
+        raise RuntimeError(errors[0])
+    assert loaded.first is not None, "the loaded long prompt gave no token"
+    w0, w1 = loaded.sent, loaded.first
+    out.loaded_ttft = w1 - w0
+    replies = [r for rs in live for r in rs]
+    out.unloaded = _gap_stats(replies, lambda a, b: a >= steady and b <= w0)
+    out.during = _gap_stats(replies, lambda a, b: b > w0 and a < w1)
+    # stream requests whose first token came after the long prompt was sent
+    out.waits = [r.first - r.sent for r in replies if r.first and r.first > w0 and r.sent < w1]
 
 
-def _print_throughput(rows: Sequence[ServerRow], streams: Sequence[int]) -> None:
-    head = "| server | model | " + " | ".join(f"{n} streams" for n in streams) + " | 8 vs 1 |"
-    print(head)
-    print("|" + "---|" * (len(streams) + 3))
-    for r in rows:
-        if r.error:
-            print(f"| {r.name} | {r.model} | {r.error} |")
+def long_prompts(alias: str, n_tokens: int) -> tuple[str, str]:
+    """Two user messages of Python source, each about `n_tokens` tokens once rendered
+    (the chat template's few tokens aside), differing from their first words on."""
+    from bench._long_prompts import _code_text
+    from bench.agent_replay import Accountant
+    from gateway.cli.store import Store
+
+    acct = Accountant(Store().resolve(alias))
+    head = "Read this code and explain in a few sentences what each part does.\n\n"
+    body = acct.cut(_code_text(6 * n_tokens), max(n_tokens - 64, 1))
+    return (f"[solo run] {head}{body}", f"[run with streams] {head}{body}")
+
+
+def bench_interference(spec: ServerSpec, port: int, alias: str, prompts: tuple[str, str],
+                       logs: Path) -> Interference:  # fmt: skip
+    log = logs / f"{alias}-interference-{spec.name.replace(' ', '_')}.log"
+    out = Interference(spec.name, alias, log=str(log))
+    print(f"[interference {spec.name}] starting, log {log}", file=sys.stderr, flush=True)
+    try:
+        with running(spec, port, log) as base:
+            measure_interference(base, spec.model, prompts, out)
+    except Exception as exc:  # reported in the table
+        out.error = _one_line(exc)
+        print(f"[interference {spec.name}] FAILED: {exc}\n{_log_tail(log, 3000)}",
+              file=sys.stderr)  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------- servers
+def gateway_spec(alias: str, port: int, name: str, *extra: str) -> ServerSpec:
+    cmd = [sys.executable, "-m", "gateway.cli.main", "serve", "--model", alias]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), *extra]
+    return ServerSpec(name, " ".join(extra), tuple(cmd), alias, "/health")
+
+
+def mlx_spec(alias: str, port: int) -> ServerSpec:
+    from bench.agent_replay import Accountant, mlx_folder
+    from gateway.cli.store import Store
+
+    gguf = Store().resolve(alias)
+    spec = _mlx_spec(mlx_folder(gguf, alias, Accountant(gguf)), port, BATCH, MLX_BATCHING)
+    return ServerSpec("mlx-lm", " ".join(MLX_BATCHING), spec.cmd, spec.model, spec.ready_path)
+
+
+def throughput_rows(
+    args: argparse.Namespace, streams: Sequence[int], logs: Path
+) -> list[ServerRow]:
+    rows: list[ServerRow] = []
+    for alias in args.models:
+        for name, extra in (
+            ("gateway --max-batch 1", ("--max-batch", "1")),
+            ("gateway", ("--max-batch", str(BATCH))),
+        ):
+            port = _free_port()
+            spec = gateway_spec(alias, port, name, *extra)
+            rows.append(bench_throughput(spec, port, alias, streams, args.gen_tokens, logs))
+        if args.skip_mlx:
             continue
-        one = r.tps.get(1)
-        cells = [
-            f"{r.tps[n]:.1f} tok/s" + (f" ({r.tps[n] / one:.2f}x)" if one and n != 1 else "")
-            for n in streams if n in r.tps
-        ]  # fmt: skip
-        eight = f"{r.tps[8] / one:.2f}x" if one and 8 in r.tps else "-"
-        print(f"| {r.name} | {r.model} | " + " | ".join(cells) + f" | {eight} |")
-    for model in dict.fromkeys(r.model for r in rows):
-        gw = next(
-            (r for r in rows if r.model == model and r.name.strip() == "gateway --max-batch 16"),
-            None,
-        )
-        peer = next((r for r in rows if r.model == model and r.name == "mlx-lm"), None)
-        if gw and peer and not gw.error and not peer.error:
-            ratios = ", ".join(
-                f"{n}: {gw.tps[n] / peer.tps[n]:.2f}x"
-                for n in streams
-                if n in gw.tps and n in peer.tps
+        port = _free_port()
+        try:
+            spec = mlx_spec(alias, port)
+        except Exception as exc:  # the export failed: say so in the table
+            rows.append(ServerRow("mlx-lm", alias, "", error=_one_line(exc)))
+            continue
+        rows.append(bench_throughput(spec, port, alias, streams, args.gen_tokens, logs))
+    return rows
+
+
+def interference_rows(args: argparse.Namespace, logs: Path) -> list[Interference]:
+    """The gateway's (its table printed at once), then mlx-lm's (both printed again)."""
+    alias = args.models[-1]
+    prompts = long_prompts(alias, args.long_tokens)
+    port = _free_port()
+    extra = ("--max-batch", str(BATCH), "--prefix-cache-bytes", "0")
+    spec = gateway_spec(alias, port, "gateway", *extra)
+    out = [bench_interference(spec, port, alias, prompts, logs)]
+    print_interference(out, args.long_tokens)
+    if args.skip_mlx or args.skip_mlx_interference:
+        return out
+    port = _free_port()
+    try:
+        spec = mlx_spec(alias, port)
+    except Exception as exc:  # the export failed: say so in the table
+        return [*out, Interference("mlx-lm", alias, error=_one_line(exc))]
+    out.append(bench_interference(spec, port, alias, prompts, logs))
+    print_interference(out, args.long_tokens)
+    return out
+
+
+# ---------------------------------------------------------------- report
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def _table_row(label: str, cells: Sequence[str]) -> str:
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+
+def _server_rows(r: ServerRow, streams: Sequence[int], ref: ServerRow | None) -> list[str]:
+    if r.error:
+        return [_table_row(r.name, [f"FAILED: {r.error}"] + [""] * (len(streams) - 1))]
+    one = r.rounds[1].tps if 1 in r.rounds else None
+    tps = [
+        f"{r.rounds[n].tps:.1f}" + (f" ({_ratio(r.rounds[n].tps, one)})" if n != 1 else "")
+        if n in r.rounds else "-"
+        for n in streams
+    ]  # fmt: skip
+    lines = [_table_row(f"{r.name} tok/s", tps)]
+    toks = [f"{sum(r.rounds[n].tokens) / n:.0f}" if n in r.rounds else "-" for n in streams]
+    lines.append(_table_row("  tokens/stream", toks))
+    if any(g.max_running is not None for g in r.rounds.values()):
+        lines.append(_table_row("  largest batch seen", [
+            str(r.rounds[n].max_running) if n in r.rounds else "-" for n in streams
+        ]))  # fmt: skip
+    if ref is not None and ref is not r and not ref.error and ref.rounds:
+        texts = ref.rounds[max(ref.rounds)].texts
+        same = []
+        for n in streams:
+            got = r.rounds.get(n)
+            k = sum(t == texts[i] for i, t in enumerate(got.texts) if i < len(texts)) if got else 0
+            same.append(f"{k}/{n}" if got else "-")
+        lines.append(_table_row("  same text as --max-batch 1", same))
+    return lines
+
+
+def _targets(gw: ServerRow | None, peer: ServerRow | None, streams: Sequence[int]) -> list[str]:
+    out = []
+    if gw and not gw.error and 1 in gw.rounds and 8 in gw.rounds:
+        x = gw.rounds[8].tps / gw.rounds[1].tps
+        verdict = "PASS" if x >= TARGET_SCALING else "FAIL"
+        out.append(f"gateway 8 streams vs 1: {x:.2f}x (target >= {TARGET_SCALING:.0f}x) {verdict}")
+    if gw and peer and not gw.error and not peer.error:
+        common = [n for n in streams if n in gw.rounds and n in peer.rounds]
+        xs = {n: gw.rounds[n].tps / peer.rounds[n].tps for n in common}
+        if xs:
+            worst = min(xs, key=lambda n: xs[n])
+            verdict = "PASS" if xs[worst] >= TARGET_VS_MLX else "FAIL"
+            out.append(
+                f"gateway vs mlx-lm at every N: lowest {xs[worst]:.2f}x at {worst} streams "
+                f"(target >= {TARGET_VS_MLX:.1f}x) {verdict}"
             )
-            print(f"\n{model}: gateway / mlx-lm at each N: {ratios} (target >= 1.0x)")
-        if gw and not gw.error and 1 in gw.tps and 8 in gw.tps:
-            print(f"{model}: gateway 8 streams vs 1: {gw.tps[8] / gw.tps[1]:.2f}x (target >= 4x)")
+    return out
+
+
+def print_throughput(rows: Sequence[ServerRow], streams: Sequence[int], gen: int) -> None:
+    for alias in dict.fromkeys(r.model for r in rows):
+        mine = [r for r in rows if r.model == alias]
+        ref = next((r for r in mine if r.name == "gateway --max-batch 1"), None)
+        gw = next((r for r in mine if r.name == "gateway"), None)
+        peer = next((r for r in mine if r.name == "mlx-lm"), None)
+        print(f"\n### Throughput, {alias}: aggregate completion tokens/s, {gen} greedy tokens "
+              "a stream (ratio to 1 stream)\n")  # fmt: skip
+        print(_table_row("server", [f"{n} stream{'s' * (n > 1)}" for n in streams]))
+        print("|---|" + "---:|" * len(streams))
+        for r in sorted(mine, key=lambda r: ("gateway", "gateway --max-batch 1").index(r.name)
+                        if r.name.startswith("gateway") else 2):  # fmt: skip
+            for line in _server_rows(r, streams, ref):
+                print(line)
+        if gw and peer and not gw.error and not peer.error:
+            print(_table_row("gateway / mlx-lm", [
+                _ratio(gw.rounds[n].tps, peer.rounds[n].tps)
+                if n in gw.rounds and n in peer.rounds else "-"
+                for n in streams
+            ]))  # fmt: skip
+        print()
+        for line in _targets(gw, peer, streams):
+            print(line)
+        for r in mine:
+            print(f"{r.name}: {r.note or 'defaults'}; log {r.log}")
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1000:.0f} ms" if x == x else "-"
+
+
+def print_interference(rows: Sequence[Interference], long_tokens: int) -> None:
+    alias = rows[0].model
+    sys.stdout.flush()
+    print(f"\n### Interference, {alias}: {STREAMS_LOADED} streams decoding while a "
+          f"{long_tokens}-token prompt arrives (prefix cache off)\n")  # fmt: skip
+    print(_table_row("", [r.server for r in rows]))
+    print("|---|" + "---:|" * len(rows))
+    if any(r.error for r in rows):
+        print(_table_row("error", [r.error or "" for r in rows]))
+    table: list[tuple[str, Callable[[Interference], str]]] = [
+        ("streams' ITL p50, unloaded", lambda r: _ms(r.unloaded.get("p50", float("nan")))),
+        ("  during the long prefill", lambda r: _ms(r.during.get("p50", float("nan")))),
+        ("  ratio", lambda r: _ratio(r.during.get("p50"), r.unloaded.get("p50"))),
+        ("streams' ITL p95, unloaded", lambda r: _ms(r.unloaded.get("p95", float("nan")))),
+        ("  during the long prefill", lambda r: _ms(r.during.get("p95", float("nan")))),
+        (f"  ratio (target <= {TARGET_ITL:.0f}x)",
+         lambda r: _ratio(r.during.get("p95"), r.unloaded.get("p95"))),
+        ("longest gap during", lambda r: _ms(r.during.get("max", float("nan")))),
+        ("gaps counted, unloaded / during",
+         lambda r: f"{r.unloaded.get('n', 0):.0f} / {r.during.get('n', 0):.0f}"),
+        ("stream requests queued behind it (longest wait)",
+         lambda r: f"{len(r.waits)} ({max(r.waits):.1f} s)" if r.waits else "0"),
+        ("long prompt tokens (usage)", lambda r: str(r.long_prompt_tokens or "-")),
+        ("long prompt TTFT alone", lambda r: f"{r.solo_ttft:.1f} s"),
+        (f"  with {STREAMS_LOADED} streams", lambda r: f"{r.loaded_ttft:.1f} s"),
+        (f"  ratio (target <= {TARGET_TTFT}x)", lambda r: _ratio(r.loaded_ttft, r.solo_ttft)),
+    ]  # fmt: skip
+    for label, cell in table:
+        print(_table_row(label, [cell(r) for r in rows]))
+    gw = next((r for r in rows if r.server == "gateway" and not r.error), None)
+    if gw:
+        itl = gw.during.get("p95", float("nan")) / gw.unloaded.get("p95", float("nan"))
+        ttft = gw.loaded_ttft / gw.solo_ttft
+        print(f"\ngateway p95 ITL during / unloaded: {itl:.2f}x (target <= {TARGET_ITL:.0f}x) "
+              f"{'PASS' if itl <= TARGET_ITL else 'FAIL'}")  # fmt: skip
+        print(f"gateway long TTFT with streams / alone: {ttft:.2f}x (target <= {TARGET_TTFT}x) "
+              f"{'PASS' if ttft <= TARGET_TTFT else 'FAIL'}")  # fmt: skip
+    for r in rows:
+        print(f"{r.server}: log {r.log}")
+    sys.stdout.flush()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -228,74 +577,35 @@ def main(argv: Sequence[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
-    p.add_argument("--streams", default="1,2,4,8,16")
+    p.add_argument("--streams", default="1,2,4,8,16", help="comma-separated stream counts")
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--long-tokens", type=int, default=16384)
-    p.add_argument("--skip-mlx", action="store_true")
+    p.add_argument("--skip-mlx", action="store_true", help="the gateway alone")
     p.add_argument("--skip-interference", action="store_true")
-    p.add_argument("--json", default=None)
+    p.add_argument("--skip-mlx-interference", action="store_true", help="mlx-lm's is slow")
+    p.add_argument("--json", default=None, help="write every measurement here")
     args = p.parse_args(argv)
-    streams = [int(s) for s in args.streams.split(",")]
+    streams = sorted({int(s) for s in args.streams.split(",")})
     logs = Path(tempfile.mkdtemp(prefix="concurrency_"))
-    rows: list[ServerRow] = []
-    for model in args.models:
-        for extra in (("--max-batch", "16"), ("--max-batch", "1")):
-            port = _free_port()
-            spec = _gateway(model, port, *extra)
-            rows.append(bench_throughput(spec, port, streams, args.gen_tokens, logs, model))
-        if not args.skip_mlx:
-            rows.append(_mlx_row(model, streams, args.gen_tokens, logs))
-    result: dict[str, Any] = {"throughput": [asdict(r) for r in rows]}
-    inter = None
+    rows = throughput_rows(args, streams, logs)
+    print_throughput(rows, streams, args.gen_tokens)  # before the long part that follows
+    sys.stdout.flush()
+    write_json(args, rows, [])
     if not args.skip_interference:
-        model = args.models[-1]
-        port = _free_port()
-        spec = _gateway(model, port, "--max-batch", "16", "--prefix-cache-bytes", "0")
-        with running(spec, port, logs / "interference.log") as base:
-            inter = interference(base, model, args.long_tokens)
-        result["interference"] = asdict(inter)
-    print(
-        f"\n{args.gen_tokens} greedy tokens a stream, streaming chat completions; logs in {logs}\n"
-    )
-    _print_throughput(rows, streams)
-    if inter is not None:
-        i = inter
-        print(
-            f"\nInterference ({args.models[-1]}, 4 streams, a {args.long_tokens}-token prompt arrives):"
-        )
-        print("| | p50 ITL | p95 ITL |\n|---|---:|---:|")
-        print(f"| unloaded | {i.unloaded_p50 * 1000:.0f} ms | {i.unloaded_p95 * 1000:.0f} ms |")
-        print(
-            f"| while the long prompt is read | {i.during_p50 * 1000:.0f} ms | {i.during_p95 * 1000:.0f} ms |"
-        )
-        print(
-            f"| ratio | {i.during_p50 / i.unloaded_p50:.2f}x | {i.during_p95 / i.unloaded_p95:.2f}x (target <= 3x) |"
-        )
-        print(
-            f"long prompt TTFT {i.long_ttft:.1f} s vs alone {i.solo_ttft:.1f} s: "
-            f"{i.long_ttft / i.solo_ttft:.2f}x (target <= 1.5x)"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_json(args, rows, interference_rows(args, logs))
 
 
-def _mlx_row(model: str, streams: Sequence[int], gen: int, logs: Path) -> ServerRow:
-    from bench.agent_replay import Accountant, mlx_folder
-    from gateway.cli.store import Store
-
-    try:
-        gguf = Store().resolve(model)
-        folder = mlx_folder(gguf, model, Accountant(gguf))
-        port = _free_port()
-        spec = _mlx_spec(folder, port, 16)
-        code = spec.cmd[-1].replace(
-            "'--log-level', 'WARNING'",
-            "'--log-level', 'WARNING', '--decode-concurrency', '16', '--prompt-concurrency', '16'",
-        )
-        spec = ServerSpec("mlx-lm", "", (*spec.cmd[:-1], code), spec.model, spec.ready_path)
-    except Exception as exc:
-        return ServerRow("mlx-lm", model, error=_one_line(exc))
-    return bench_throughput(spec, port, streams, gen, logs, model)
+def write_json(args: argparse.Namespace, rows: Sequence[ServerRow],
+               inter: Sequence[Interference]) -> None:  # fmt: skip
+    if not args.json:
+        return
+    result = {
+        "args": vars(args),
+        "throughput": [asdict(r) | {"tps": {n: g.tps for n, g in r.rounds.items()}}
+                       for r in rows],
+        "interference": [asdict(r) for r in inter],
+    }  # fmt: skip
+    Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -273,7 +273,12 @@ def _worker_main(kind: str, spec_path: str) -> None:
             result = worker_render(gguf, spec["names"], spec["gen"], Path(spec["fixtures"]))
         else:
             result = worker_gateway(gguf, spec["ids"], spec["gen"])
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
+    # The result is out: skip the interpreter's teardown, where arrays (or threads) of
+    # MLX left for the last garbage collection can abort the process ("terminate called
+    # without an active exception") and lose a finished measurement.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------- driver

@@ -90,7 +90,7 @@ def _mlx_attention(
 
 # (batch, q heads, kv heads, queries, keys, head dim): GQA ratios 1, 2 and 7, head dims
 # 64 and 128 (and odd ones), queries not a multiple of the kernel's blocks, keys before
-# the queries (a cache offset), batch 2.
+# the queries (a cache offset), batch 2, fewer queries than MIN_ROWS over many keys.
 SHAPES = [
     (1, 14, 2, 2048 // 8, 1100, 64),
     (1, 4, 4, 33, 33, 128),
@@ -98,6 +98,7 @@ SHAPES = [
     (2, 6, 3, 70, 70, 128),
     (1, 2, 1, 257, 1000, 16),
     (1, 3, 3, 40, 300, 80),
+    (1, 14, 2, 5, 3000, 64),  # a short chunk over a long context (MIN_SCORES)
 ]
 
 
