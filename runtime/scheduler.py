@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from runtime.cache.batch import BatchCaches, batchable
+from runtime.cache.ragged import RaggedCache
 from runtime.generate import CausalLM, _read, _sample_arrays
+from runtime.models.base import fusable
 from runtime.prefix_cache import Key, Lease, PrefixCache
 from runtime.sampling import Sampler, SampleResult
 from runtime.sequence import SequenceOutput
@@ -60,6 +62,7 @@ class SchedulerStats:
     prefilling: int = 0  # sequences admitted whose prompt is still being read
     steps: int = 0  # batched decode steps taken
     decode_step_seconds: float = 0.0  # running average of one decode step
+    fused_steps: int = 0  # decode steps that carried a prefill chunk
     prefill_chunk_tokens: int = 0  # the size of the last prefill chunk
     max_batch_seen: int = 0
 
@@ -83,26 +86,37 @@ class _Prefill:
     def done(self) -> bool:
         return not self.rest
 
-    def run(self, model: CausalLM, n: int, on_pause: Callable[[int], None]) -> int:
-        """Feed up to `n` tokens (stopping at a snapshot point); return how many ran."""
+    def plan(self, n: int, on_pause: Callable[[int], None]) -> int:
+        """How many of up to `n` tokens the next chunk takes: it stops at a snapshot
+        point (pausing first at one it stands on) and never cuts an image's span."""
         if self.marks and self.marks[0] == self.offset:
             on_pause(self.marks.pop(0))
         n = min(n, len(self.rest))
         if self.marks:
             n = min(n, self.marks[0] - self.offset)
+        if n > 0 and self.images is not None:
+            n = self.images.chunk(self.offset, n)
+        return max(n, 0)
+
+    def advance(self, n: int, on_pause: Callable[[int], None]) -> None:
+        """`n` planned tokens went through the model."""
+        self.rest = self.rest[n:]
+        self.offset += n
+        if self.done and self.marks and self.marks[0] == self.offset:
+            on_pause(self.marks.pop(0))
+
+    def run(self, model: CausalLM, n: int, on_pause: Callable[[int], None]) -> int:
+        """Feed up to `n` tokens in a forward of their own; return how many ran."""
+        n = self.plan(n, on_pause)
         if n <= 0:
             return 0
         if self.images is None:
             model.forward(mx.array(self.rest[:n], dtype=mx.int32)[None], self.caches)
         else:
-            n = self.images.chunk(self.offset, n)
             self.images.forward(self.rest[:n], self.caches, self.offset)
         mx.eval([a for c in self.caches for a in c.state])
         mx.clear_cache()
-        self.rest = self.rest[n:]
-        self.offset += n
-        if self.done and self.marks and self.marks[0] == self.offset:
-            on_pause(self.marks.pop(0))
+        self.advance(n, on_pause)
         return n
 
 
@@ -147,6 +161,7 @@ class Scheduler:
         self._row_bytes = (0, 0)  # (per token, per row) as measured on the batch
         self._on_begin = on_begin  # the runner logs the lease's cache report
         self._batched = batchable(make_caches())
+        self._fuse = self._batched and fusable(model)
         self._batch: BatchCaches | None = None
         self._rows: list[_Seq] = []
         self._queue: deque[_Seq] = deque()  # admitted, prompt not yet in
@@ -180,9 +195,10 @@ class Scheduler:
         """One decode step for the batch and one prefill chunk; the sequences that ended."""
         self.trie_changed = False
         done: list[tuple[RequestHandle, Finished]] = []
+        rider = self._rider()
         if self._rows:
-            done += self._decode_step()
-        if self._queue:
+            done += self._decode_step(rider)
+        if self._queue and rider is None:
             done += self._prefill_step()
         if not self._queue or self._queue[0].prefill is None:
             self._write_back()
@@ -213,10 +229,31 @@ class Scheduler:
 
     # -- decode --
 
-    def _forward(self) -> list[mx.array]:
-        """Queue one step's logits for every row: one (1, V) array per row."""
+    def _rider(self) -> _Seq | None:
+        """The sequence being prefilled when its next chunk can ride on this decode step
+        (one forward, runtime/cache/ragged.py): a text chunk, text rows, and a plain
+        decode step measured before (its time sizes the chunks)."""
+        if not (self._fuse and self._rows and self._queue and self._batch is not None):
+            return None
+        seq = self._queue[0]
+        if seq.prefill is None or seq.prefill.images is not None or seq.handle.cancelled:
+            return None
+        if self.stats.decode_step_seconds <= 0 or any(_shift(r) for r in self._rows):
+            return None
+        return seq
+
+    def _forward(self, rider: _Prefill | None = None, chunk: int = 0) -> list[mx.array]:
+        """Queue one step's logits for every row: one (1, V) array per row; with a
+        `rider`, its next `chunk` prompt tokens go through the same forward."""
         inputs = [r.input for r in self._rows]
         assert all(i is not None for i in inputs)
+        if rider is not None and chunk and self._batch is not None:
+            prompt = mx.array(rider.rest[:chunk], dtype=mx.int32)
+            tokens = mx.concatenate([*inputs, prompt]).reshape(1, -1)  # type: ignore[list-item]
+            layers = zip(self._batch.layers, rider.caches, strict=True)
+            hidden = self.model.forward(tokens, [RaggedCache(b, p) for b, p in layers])
+            logits = self.model.logits(hidden[0, : len(self._rows)])
+            return [logits[i : i + 1] for i in range(len(self._rows))]
         if self._batch is not None:
             tokens = mx.concatenate(inputs).reshape(-1, 1)  # type: ignore[arg-type]
             shifts = [_shift(r) for r in self._rows]
@@ -230,10 +267,14 @@ class Scheduler:
             out.append(self.model.logits(hidden[:, -1, :]))
         return out
 
-    def _decode_step(self) -> list[tuple[RequestHandle, Finished]]:
+    def _decode_step(self, rider: _Seq | None = None) -> list[tuple[RequestHandle, Finished]]:
         start = time.perf_counter()
+        prefill = None if rider is None else rider.prefill
+        chunk = 0
         try:
-            logits = self._forward()
+            if rider is not None and prefill is not None:
+                chunk = prefill.plan(self._chunk(rider), lambda at: self._pause(rider, at))
+            logits = self._forward(prefill, chunk)
             mx.async_eval(logits)
             ended = [i for i, row in enumerate(self._rows) if self._read(row)]
             arrays: list[mx.array] = []
@@ -244,6 +285,8 @@ class Scheduler:
                 row.unread = row.sampler.sample(logits[i], mask)
                 row.input = row.unread.token
                 arrays += _sample_arrays(row.unread)
+            if chunk and prefill is not None:
+                arrays += [a for c in prefill.caches for a in c.state]
             mx.async_eval(arrays)
         except Exception as exc:
             log.exception("batched decode step failed")
@@ -252,7 +295,19 @@ class Scheduler:
         s = self.stats
         s.steps += 1
         took = time.perf_counter() - start
-        s.decode_step_seconds = took if s.steps == 1 else _avg(s.decode_step_seconds, took)
+        if chunk and rider is not None and prefill is not None:
+            s.fused_steps += 1
+            self._measured_chunk(chunk, took)
+            prefill.advance(chunk, lambda at: self._pause(rider, at))
+            if prefill.done:
+                try:
+                    self._join(rider)
+                except Exception as exc:
+                    log.exception("joining the batch failed")
+                    return done + self.abort(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+        else:
+            plain = s.steps - s.fused_steps
+            s.decode_step_seconds = took if plain == 1 else _avg(s.decode_step_seconds, took)
         return done
 
     def _read(self, row: _Seq) -> bool:
@@ -298,7 +353,7 @@ class Scheduler:
         if self._prefill_rate <= 0:
             return min(cap, 2 * MIN_PREFILL_CHUNK)
         budget = PREFILL_SHARE * self.stats.decode_step_seconds
-        return max(MIN_PREFILL_CHUNK, min(cap, int(self._prefill_rate * budget)))
+        return max(min(cap, MIN_PREFILL_CHUNK), min(cap, int(self._prefill_rate * budget)))
 
     def _prefill_step(self) -> list[tuple[RequestHandle, Finished]]:
         seq = self._queue[0]
@@ -316,13 +371,7 @@ class Scheduler:
             n = self._chunk(seq)
             started = time.perf_counter()
             ran = seq.prefill.run(self.model, n, lambda at: self._pause(seq, at))
-            took = time.perf_counter() - started
-            if ran > 0 and took > 0:
-                rate = ran / took
-                self._prefill_rate = (
-                    rate if self._prefill_rate <= 0 else _avg(self._prefill_rate, rate)
-                )
-                self.stats.prefill_chunk_tokens = ran
+            self._measured_chunk(ran, time.perf_counter() - started)
             if seq.prefill.done:
                 self._join(seq)
         except Exception as exc:
@@ -335,6 +384,12 @@ class Scheduler:
             self.trie_changed = True
             return [(seq.handle, self._finished(seq, f"{type(exc).__name__}: {exc}"))]
         return []
+
+    def _measured_chunk(self, tokens: int, took: float) -> None:
+        if tokens > 0 and took > 0:
+            rate = tokens / took
+            self._prefill_rate = rate if self._prefill_rate <= 0 else _avg(self._prefill_rate, rate)
+            self.stats.prefill_chunk_tokens = tokens
 
     def _fits(self, seq: _Seq) -> bool:
         """Whether the batch's caches, with `seq` joined and every row at its longest

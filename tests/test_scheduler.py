@@ -272,3 +272,32 @@ def test_a_request_that_would_not_fit_waits_its_turn(folders: Callable[[str], Pa
     finally:
         engine.stop()
     assert [t for t, _ in got] == expected
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text"])
+def test_prefill_chunks_ride_on_decode_steps(name: str, folders: Callable[[str], Path]) -> None:
+    """Prompts that arrive while others decode are read in the decode steps' forwards
+    (one forward for both, runtime/cache/ragged.py), and every request still gets the
+    tokens it gets alone. gemma3's 45-token prompts pass its sliding window of 8."""
+    folder = folders(name)
+    vocab = KINDS[name][1]
+    running = [_request(_prompt(5, 40 + i, vocab), 60) for i in range(2)]
+    arriving = [_request(_prompt(45, 50 + i, vocab), 10) for i in range(3)]
+    expected = _alone(folder, [*running, *arriving])
+    for cache in (False, True):
+        engine = _engine(folder, max_batch=8, cache=cache)
+        try:
+            first = [engine.submit(r) for r in running]
+            for handle in first:  # they decode before the long prompts come
+                next(e for e in handle if isinstance(e, TextDelta))
+            later = _together(engine, arriving)
+            results = [_collect(h) for h in first]
+            runner = engine._runner
+            assert isinstance(runner, ModelRunner)
+            stats = runner.scheduler.stats
+        finally:
+            engine.stop()
+        assert stats.fused_steps > 0
+        firsts = [expected[i][:1] + t for i, (t, _) in enumerate(results)]
+        assert firsts == expected[:2]
+        assert [t for t, _ in later] == expected[2:]

@@ -12,6 +12,7 @@ from mlx.nn.layers.base import Module
 from mlx.nn.layers.embedding import Embedding
 
 from runtime.cache import Cache, KVCache, Mask, RotatingKVCache, window_mask
+from runtime.cache.ragged import RaggedCache
 from runtime.models import cpu_kernels
 from runtime.models.linear import Linear
 from runtime.models.rope import RoPE
@@ -230,20 +231,50 @@ class Attention(Module):
         self.window = window
         self.softcap = softcap
 
-    def __call__(self, x: mx.array, cache: Cache) -> mx.array:
+    def __call__(self, x: mx.array, cache: Cache | RaggedCache) -> mx.array:
+        q, k, v = self.project(x)
+        if isinstance(cache, RaggedCache):
+            (dq, cq), (dk, ck), (dv, cv) = cache.split(q), cache.split(k), cache.split(v)
+            out = cache.join(
+                self.attend(dq, dk, dv, cache.decode), self.attend(cq, ck, cv, cache.prefill)
+            )
+        else:
+            out = self.attend(q, k, v, cache)
+        return self.o_proj(out)
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """(B, L, dims) -> queries, keys, values as (B, L, heads, head_dim), q/k normed."""
         batch, length, _ = x.shape
         q = self.q_proj(x).reshape(batch, length, self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
         if self._qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: Cache) -> mx.array:
+        """Rotary positions, the cache's update and mask, attention: (B, L, heads * dim)."""
+        batch, length = q.shape[:2]
         q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         offset = cache.offset
         q, k = self.rope(q, offset), self.rope(k, offset)
         mask = cache.make_mask(length, self.window)
         k, v = cache.update_and_fetch(k, v)
         out = attention(q, k, v, scale=self.scale, mask=mask, softcap=self.softcap)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+        return out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+
+
+def fusable(model: Any) -> bool:
+    """Whether a decode step and a prefill chunk can run as one forward (RaggedCache):
+    every layer attends through `Attention` over a token cache (KV or sliding window).
+    Recurrent and latent layers, which keep other state, run their steps apart."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers:
+        return False
+    caches = model.make_caches()
+    return all(
+        isinstance(getattr(layer, "self_attn", None), Attention) for layer in layers
+    ) and all(type(c) in (KVCache, RotatingKVCache) for c in caches)
 
 
 def make_layer_caches(layer_types: Sequence[str], sliding_window: int | None) -> list[Cache]:

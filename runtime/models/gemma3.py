@@ -21,6 +21,7 @@ from mlx.nn.layers.base import Module
 from mlx.nn.layers.embedding import Embedding
 
 from runtime.cache import Cache, Mask, window_mask
+from runtime.cache.ragged import RaggedCache
 from runtime.models.base import (
     FULL_ATTENTION,
     MLP,
@@ -163,14 +164,14 @@ def open_image_spans(
 class _Attention(Attention):
     """The shared attention, plus the path of a prefill chunk holding image spans."""
 
-    def __call__(self, x: mx.array, cache: Cache, spans: ImageSpans | None = None) -> mx.array:
+    def __call__(
+        self, x: mx.array, cache: Cache | RaggedCache, spans: ImageSpans | None = None
+    ) -> mx.array:
         if not spans:
             return super().__call__(x, cache)
-        batch, length, _ = x.shape
-        q = self.q_proj(x).reshape(batch, length, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
-        q, k = self.q_norm(q), self.k_norm(k)
+        assert not isinstance(cache, RaggedCache), "a chunk with images runs alone"
+        q, k, v = self.project(x)
+        batch, length = q.shape[:2]
         q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         offset = cache.offset
         q, k = self.rope(q, offset), self.rope(k, offset)
@@ -206,7 +207,9 @@ class DecoderLayer(Module):
         self.pre_feedforward_layernorm = RMSNorm(dims, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(dims, eps, unit_offset=True)
 
-    def __call__(self, x: mx.array, cache: Cache, spans: ImageSpans | None = None) -> mx.array:
+    def __call__(
+        self, x: mx.array, cache: Cache | RaggedCache, spans: ImageSpans | None = None
+    ) -> mx.array:
         attn = self.self_attn(self.input_layernorm(x), cache, spans)
         h = x + self.post_attention_layernorm(attn)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
