@@ -35,7 +35,8 @@ Every server runs in its own process on 127.0.0.1, one at a time, and is stopped
 
     python bench/concurrency.py [--models smollm2-135m qwen2.5-coder-0.5b]
         [--streams 1,2,4,8,16] [--gen-tokens 128] [--long-tokens 16384]
-        [--skip-mlx] [--skip-interference] [--skip-mlx-interference] [--json out.json]
+        [--skip-mlx] [--skip-throughput] [--skip-interference] [--skip-mlx-interference]
+        [--json out.json]
 
 Models come from `mlx-gateway pull ALIAS`. The machine may be shared: absolute numbers are
 noise, the ratios measured in the same run are the result.
@@ -582,13 +583,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--long-tokens", type=int, default=16384)
     p.add_argument("--skip-mlx", action="store_true", help="the gateway alone")
     p.add_argument("--skip-interference", action="store_true")
+    p.add_argument("--skip-throughput", action="store_true", help="interference only")
     p.add_argument("--skip-mlx-interference", action="store_true", help="mlx-lm's is slow")
     p.add_argument("--json", default=None, help="write every measurement here")
     args = p.parse_args(argv)
     streams = sorted({int(s) for s in args.streams.split(",")})
     logs = Path(tempfile.mkdtemp(prefix="concurrency_"))
-    rows = throughput_rows(args, streams, logs)
-    print_throughput(rows, streams, args.gen_tokens)  # before the long part that follows
+    rows = [] if args.skip_throughput else throughput_rows(args, streams, logs)
+    if rows:
+        print_throughput(rows, streams, args.gen_tokens)  # before the long part that follows
     sys.stdout.flush()
     write_json(args, rows, [])
     if not args.skip_interference:

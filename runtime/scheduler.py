@@ -8,9 +8,12 @@ Every `step()` does two things on the engine thread:
    queued on the device before step N's tokens are read back, so detokenizing, stop
    strings and grammar masks run on the host while the device computes.
 2. One prefill chunk for the sequence at the head of the prefill queue, sized so that
-   the running streams wait about `PREFILL_SHARE` decode steps for it (the chunk's
-   token rate is measured as it goes; at least `MIN_PREFILL_CHUNK` tokens); with
-   nothing decoding, a whole `prefill_chunk`. When its prompt is in, the sequence joins the batch.
+   the step takes about `PREFILL_SHARE` decode steps (the chunk's token rate is
+   measured as it goes); with nothing decoding, a whole `prefill_chunk`. Where the
+   model allows (every layer attends over a token cache), the chunk rides in the decode
+   step's forward (runtime/cache/ragged.py) and may be as small as `MIN_FUSED_CHUNK`;
+   a chunk run apart pays a weight read of its own, so it takes at least
+   `MIN_PREFILL_CHUNK` tokens. When its prompt is in, the sequence joins the batch.
 
 The prefix trie (runtime/prefix_cache.py) has one live path, lent to one prefill at a
 time: a new sequence restores its longest cached prefix there, its prompt is recorded
@@ -51,6 +54,7 @@ PREFILL_SHARE = 2.0  # a prefill chunk takes about this many decode steps' time.
 # on a CPU about one decode step), so tiny chunks would stretch a long prompt's TTFT
 # several times over for little gain in the streams' inter-token latency
 MIN_PREFILL_CHUNK = 64
+MIN_FUSED_CHUNK = 8  # the same floor for a chunk that rides on a decode step
 _EMA = 0.3  # weight of the newest measurement in the running averages
 
 
@@ -301,7 +305,7 @@ class Scheduler:
             prefill.advance(chunk, lambda at: self._pause(rider, at))
             if prefill.done:
                 try:
-                    self._join(rider)
+                    done += self._join(rider)
                 except Exception as exc:
                     log.exception("joining the batch failed")
                     return done + self.abort(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
@@ -353,7 +357,10 @@ class Scheduler:
         if self._prefill_rate <= 0:
             return min(cap, 2 * MIN_PREFILL_CHUNK)
         budget = PREFILL_SHARE * self.stats.decode_step_seconds
-        return max(min(cap, MIN_PREFILL_CHUNK), min(cap, int(self._prefill_rate * budget)))
+        # riding on a decode step, a chunk pays no weight read of its own: only the
+        # attention over a long context sets its cost, so it may shrink much further
+        floor = MIN_FUSED_CHUNK if self._rider() is seq else MIN_PREFILL_CHUNK
+        return max(min(cap, floor), min(cap, int(self._prefill_rate * budget)))
 
     def _prefill_step(self) -> list[tuple[RequestHandle, Finished]]:
         seq = self._queue[0]
@@ -373,7 +380,7 @@ class Scheduler:
             ran = seq.prefill.run(self.model, n, lambda at: self._pause(seq, at))
             self._measured_chunk(ran, time.perf_counter() - started)
             if seq.prefill.done:
-                self._join(seq)
+                return self._join(seq)
         except Exception as exc:
             log.exception("prefill failed")
             if seq.prefill is not None:
@@ -425,13 +432,25 @@ class Scheduler:
         seq.prefill = None
         self.trie_changed = True
 
-    def _join(self, seq: _Seq) -> None:
-        """The prompt (all but its last token) is in: copy the caches into the batch."""
+    def _join(self, seq: _Seq) -> list[tuple[RequestHandle, Finished]]:
+        """The prompt (all but its last token) is in: copy the caches into the batch.
+
+        The first token is sampled alone first when the sequence has nothing to join
+        with yet (a one-token prompt), or when joining would cost more than a forward of
+        its own: it may end there (max_tokens 1, or EOS), and a prompt longer than every
+        running row would pad them all to its length in the batch's buffers."""
         assert seq.prefill is not None
         caches = seq.prefill.caches
         seq.input = mx.array(seq.request.prompt_tokens[-1:], dtype=mx.int32)
-        if self._batched and seq.prefill.offset == 0:
-            self._first_alone(seq, caches)  # nothing to join with yet: one token alone
+        longest = max((len(r.out.progress.prompt) + len(r.out.progress.generated)
+                       for r in self._rows), default=0)  # fmt: skip
+        alone = seq.prefill.offset == 0 or seq.out.max_tokens <= 1 or seq.prefill.offset > longest
+        if self._batched and alone:
+            self._first_alone(seq, caches)
+            if self._read(seq):  # it ended at its first token: it never joins
+                self._queue.popleft()
+                self._end_prefill(seq)
+                return [(seq.handle, self._finished(seq))]
         if self._batched:
             if self._batch is None:
                 self._batch = BatchCaches(caches)
@@ -442,9 +461,10 @@ class Scheduler:
         self._queue.popleft()
         self._end_prefill(seq)
         self._rows.append(seq)
+        return []
 
     def _first_alone(self, seq: _Seq, caches: list[Any]) -> None:
-        """A one-token prompt: its first step runs alone so its caches hold a token."""
+        """The sequence's first decode step, in a forward of its own."""
         assert seq.input is not None
         hidden = decode_forward(self.model, seq.input.reshape(1, 1), caches, [_shift(seq)])
         mask = seq.matcher.mask() if seq.matcher is not None else None
