@@ -6,6 +6,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
+from anyio import to_thread
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -21,6 +22,7 @@ from gateway.anthropic.routes import count_tokens, messages, root
 from gateway.core.auth import ApiKeyMiddleware
 from gateway.core.errors import APIError, InternalError
 from gateway.core.metrics import Metrics, MetricsMiddleware, metrics_endpoint
+from gateway.core.models_registry import ModelRegistry
 from gateway.core.served import ServedModel
 from gateway.core.settings import ServerSettings
 from gateway.openai.chat import chat_completions
@@ -110,25 +112,31 @@ def _routes() -> list[Route]:
     ]
 
 
+def _one(load: Callable[[], ServedModel]) -> ModelRegistry:
+    """The registry of one model built by `load` (a local here would keep the model
+    alive past an unload)."""
+    return ModelRegistry.serving(load(), load)
+
+
 def create_app(
-    load: Callable[[], ServedModel], settings: ServerSettings | None = None
+    models: ModelRegistry | Callable[[], ServedModel], settings: ServerSettings | None = None
 ) -> Starlette:
-    """`load` builds the served model (loads weights, makes its engine). It runs in
-    the lifespan, so the server accepts connections once the model is ready."""
+    """`models` are the configured models (the default one loads in the lifespan, the
+    others on demand), or a function that builds the one model to serve (it never
+    unloads). Either way the server accepts connections once the default model is ready."""
     settings = settings or ServerSettings()
     metrics = Metrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        served = load()
-        served.engine.start()
-        served.engine.watch()  # fails and restarts a dead or stalled worker
-        app.state.served = served
-        log.info("serving %s (context %d)", served.id, served.context_length)
+        registry = models if isinstance(models, ModelRegistry) else _one(models)
         try:
+            await registry.open()
+            app.state.models = registry
+            log.info("serving %s", ", ".join(spec.id for spec in registry.specs))
             yield
         finally:
-            served.engine.stop()
+            await to_thread.run_sync(registry.close)
 
     app = Starlette(
         routes=_routes(),

@@ -24,7 +24,7 @@ from types import FrameType
 import uvicorn
 from starlette.applications import Starlette
 
-from gateway.core.served import ServedModel
+from gateway.core.models_registry import ModelRegistry
 
 log = logging.getLogger(__name__)
 
@@ -68,30 +68,30 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self, sig: int) -> None:
         try:
-            served = getattr(self.app.state, "served", None)
-            if isinstance(served, ServedModel):
-                await self._finish_work(served, signal.Signals(sig).name)
+            models = getattr(self.app.state, "models", None)
+            if isinstance(models, ModelRegistry):
+                await self._finish_work(models, signal.Signals(sig).name)
                 await self._flush()
         finally:
             self.should_exit = True
 
-    async def _finish_work(self, served: ServedModel, name: str) -> None:
-        engine = served.engine
-        engine.drain()
+    async def _finish_work(self, models: ModelRegistry, name: str) -> None:
+        """Every loaded model's engine refuses new work; what runs gets the grace."""
+        models.drain()
         loop = asyncio.get_running_loop()
-        if engine.pending:
+        if models.pending:
             log.warning(
                 "%s: draining: new requests get 503; %d running get up to %g s to finish "
                 "(a second signal exits at once)",
                 name,
-                engine.pending,
+                models.pending,
                 self.grace,
             )
         deadline = loop.time() + self.grace
-        while engine.pending and loop.time() < deadline:
+        while models.pending and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        if engine.pending:
-            cancelled = engine.cancel_all("server shutting down")
+        if models.pending:
+            cancelled = models.cancel_all("server shutting down")
             log.warning("cancelled %d requests still running after %g s", cancelled, self.grace)
 
     async def _flush(self) -> None:

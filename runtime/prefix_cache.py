@@ -15,7 +15,11 @@ tokens. Every other node is paged out: it holds snapshots. A request:
    also for a cancelled request); `discard(lease)` drops the live state after an error.
 
 Snapshot bytes are kept within `budget_bytes` by evicting the least recently used nodes
-(then the deepest, then the largest), merging chains a removal leaves single-child.
+(then the deepest, then the largest), merging chains a removal leaves single-child. With
+a disk tier (runtime/prefix_disk.py) eviction moves a node's snapshots to disk instead:
+the node stays, its layers hold disk snapshots the planner treats like any other, and
+those a restore needs are read back first. `close` writes the live path and all that is
+in memory there too; a new cache on the same directory starts with the trie rebuilt.
 Nodes holding a pinned prompt (runtime/prefix_pins.py) go after every unpinned one; when
 only pinned state is left over the budget it is evicted too (memory wins), with a log
 line. The invariant: with greedy sampling, any sequence of requests yields the same
@@ -36,9 +40,11 @@ from typing import Generic, TypeVar
 import mlx.core as mx
 
 from runtime.cache import LayerCache, Snapshot
+from runtime.prefix_disk import DiskTier
 from runtime.prefix_pins import Pins, label
+from runtime.prefix_plan import Plan, apply_plans, deferred_steps, plan_restore
 from runtime.prefix_report import CacheReport, EvictionMemory, continuation, disabled, report
-from runtime.prefix_trie import ImageKey, Key, Node, Trie, image_keys
+from runtime.prefix_trie import DeferredSnapshot, ImageKey, Key, Node, Trie, image_keys
 from runtime.types import PrefixPin
 
 log = logging.getLogger(__name__)
@@ -62,17 +68,6 @@ class Lease(Generic[C]):
     report: CacheReport | None = None  # what was reused, and why not more
 
 
-@dataclass(frozen=True)
-class _Step:
-    """Restore one layer to `target` from the snapshot of path[node], or rewind it live."""
-
-    node: int | None
-    target: int
-
-
-_Plan = tuple[_Step, ...]
-
-
 class PrefixCache(Generic[C]):
     def __init__(
         self,
@@ -83,6 +78,7 @@ class PrefixCache(Generic[C]):
         tail_keep: int = 4,
         clock: Callable[[], float] = time.monotonic,
         reports: int = 32,
+        disk: DiskTier | None = None,
     ) -> None:
         if budget_bytes < 0 or snapshot_interval < 1 or tail_keep < 1:
             raise ValueError("budget_bytes >= 0, snapshot_interval >= 1, tail_keep >= 1")
@@ -100,6 +96,11 @@ class PrefixCache(Generic[C]):
         self._pins = Pins(clock)
         self._evicted = EvictionMemory()
         self._reports: deque[CacheReport] = deque(maxlen=reports)
+        self._disk = disk if self.enabled else None
+        if disk is not None and self._disk is None:
+            disk.close()  # no cache, no disk tier
+        if self._disk is not None:
+            self._disk.attach(self._trie)
 
     @property
     def enabled(self) -> bool:
@@ -148,6 +149,7 @@ class PrefixCache(Generic[C]):
     def _begin_cached(
         self, keys: tuple[Key, ...], tag: str | None, boundaries: Sequence[int]
     ) -> Lease[C]:
+        self._disk_ready()
         path, matched = self._trie.match(keys[:-1])  # always leave one token to run
         cached = continuation(path, matched)
         evicted = [(n.end, n.evicted) for n in path[1:]]
@@ -223,9 +225,11 @@ class PrefixCache(Generic[C]):
             raise ValueError("adopt() while a lease is open")
         keys = tuple(tokens)
         self._tick += 1
+        self._disk_ready()
         path, matched = self._trie.match(keys[:-1])
         try:
-            reused, _, _ = self._position(path, matched)
+            # `caches` hold all of it: reading from disk would only slow this down
+            reused, _, _ = self._position(path, matched, use_disk=False)
         except Exception:
             log.exception("prefix cache: positioning failed; starting clean")
             self._clear_live()
@@ -237,6 +241,8 @@ class PrefixCache(Generic[C]):
                 log.warning("prefix cache: a finished sequence's state could not be adopted")
                 self.discard(lease)
                 return False
+        # evaluated here, on the thread whose stream built it: `close` may run on another
+        mx.eval([a for c in self._caches for a in c.state])
         self._counts["adopted"] += 1
         self.end(lease, keys)
         return True
@@ -256,23 +262,27 @@ class PrefixCache(Generic[C]):
 
     # -- positioning --
 
-    def _position(self, path: list[Node], matched: int) -> tuple[int, int, bool]:
+    def _position(
+        self, path: list[Node], matched: int, *, use_disk: bool = True
+    ) -> tuple[int, int, bool]:
         """Bring the live caches to the deepest reachable prefix of the matched `path`;
         return (it, match end, whether a restore failed)."""
         branch = matched
         while True:
-            target, plans = self._plan(path, matched, self._live_common(path, matched))
+            held = self._live_common(path, matched)
+            target, plans = plan_restore(self._caches, path, matched, held, use_disk)
             inner = next((j for j, n in enumerate(path) if n.start < target < n.end), None)
-            if inner is None:
+            if inner is not None:
+                upper = self._trie.split(path[inner], target)
+                if path[inner] in self._path:
+                    self._path.insert(self._path.index(path[inner]), upper)
+                path, matched = [*path[:inner], upper], target
+            elif self._read_planned(path, plans):
                 break
-            upper = self._trie.split(path[inner], target)
-            if path[inner] in self._path:
-                self._path.insert(self._path.index(path[inner]), upper)
-            path, matched = [*path[:inner], upper], target
         live = [n for n in path if n.end <= target]
         kept = {id(n) for n in live}
         self._page_out([n for n in self._path if id(n) not in kept])
-        if not self._apply(path, plans, target):
+        if not apply_plans(self._caches, path, plans, target):
             log.warning("prefix cache: restore failed; starting clean")
             self._counts["restore_failures"] += 1
             self._clear_live()
@@ -295,67 +305,14 @@ class PrefixCache(Generic[C]):
             return min(matched, path[k - 1].end)  # the paths part at a node boundary
         return min(matched, self._path[-1].end)
 
-    def _plan(self, path: list[Node], matched: int, live: int) -> tuple[int, list[_Plan]]:
-        """The deepest offset <= matched that every layer can reach, and each layer's steps.
-
-        Reachable sets are unions of intervals ending at `live`, at snapshot ends or at
-        `matched`, so only those offsets (and 0, always reachable) need trying. Layers with
-        the same rewind floor and snapshots along the path share one plan.
-        """
-        groups: dict[tuple[object, ...], list[int]] = {}
-        for i, cache in enumerate(self._caches):
-            sig = (cache.rewind_floor, *(_shape(n.snapshot(i)) for n in path))
-            groups.setdefault(sig, []).append(i)
-        candidates = sorted({0, matched, live, *(n.end for n in path if n.end < matched)})
-        memos: dict[int, dict[int, _Plan | None]] = {layers[0]: {} for layers in groups.values()}
-        for target in reversed(candidates):
-            plans: list[_Plan] = [()] * len(self._caches)
-            for layers in groups.values():
-                plan = self._layer_plan(layers[0], path, live, target, memos[layers[0]])
-                if plan is None:
-                    break
-                for i in layers:
-                    plans[i] = plan
-            else:
-                return target, plans
-        raise AssertionError("offset 0 is always reachable")
-
-    def _layer_plan(
-        self, i: int, path: list[Node], live: int, target: int, memo: dict[int, _Plan | None]
-    ) -> _Plan | None:
-        if target in memo:
-            return memo[target]
-        plan: _Plan | None = None
-        if target == 0 or self._caches[i].rewind_floor <= target <= live:
-            plan = (_Step(None, target),)
-        else:
-            for j in range(len(path) - 1, 0, -1):
-                snap = path[j].snapshot(i)
-                if snap is None or not snap.floor <= target <= snap.end:
-                    continue
-                if snap.base == 0:
-                    plan = (_Step(j, target),)
-                    break
-                before = None
-                if snap.base < target:
-                    before = self._layer_plan(i, path, live, snap.base, memo)
-                if before is not None:
-                    plan = (*before, _Step(j, target))
-                    break
-        memo[target] = plan
-        return plan
-
-    def _apply(self, path: list[Node], plans: list[_Plan], target: int) -> bool:
-        for i, cache in enumerate(self._caches):
-            for step in plans[i]:
-                snap = None if step.node is None else path[step.node].snapshot(i)
-                if step.node is not None and snap is None:
-                    return False
-                if not cache.restore(snap, step.target):
-                    return False
-            if cache.offset != target:
-                return False
-        return True
+    def _read_planned(self, path: list[Node], plans: list[Plan]) -> bool:
+        """Read the disk snapshots the plans use into memory; False when a file was bad
+        (it is gone from the trie now: plan again)."""
+        wanted = deferred_steps(path, plans)
+        if not wanted or self._disk is None or self._disk.load(self._trie, wanted):
+            return True
+        self._disk.sweep(self._trie)
+        return False
 
     def _page_out(self, leaving: list[Node]) -> None:
         """Snapshot what the live caches hold for nodes about to lose live backing.
@@ -459,6 +416,8 @@ class PrefixCache(Generic[C]):
                 self._counts["pinned_evictions"] += 1
             self._evict(victim, active)
             self._counts["evictions"] += 1
+        if self._disk is not None:
+            self._disk.sweep(self._trie)  # files the disk tier deleted to stay in its bound
         self._prune(active)
 
     def _pick_victim(self, active: set[int], pinned: set[int]) -> Node | None:
@@ -467,8 +426,8 @@ class PrefixCache(Generic[C]):
         best: Node | None = None
         best_key: tuple[bool, bool, int, int, int] | None = None
         for node in self._trie.walk():
-            if not node.has_snapshots():
-                continue
+            if not node.snapshot_bytes():
+                continue  # nothing in memory (disk snapshots hold none)
             key = (
                 id(node) in active,
                 id(node) in pinned,
@@ -481,6 +440,17 @@ class PrefixCache(Generic[C]):
         return best
 
     def _evict(self, node: Node, active: set[int]) -> None:
+        if self._disk is not None:
+            self._disk.spill(self._trie, node)  # dropped only when the writer is swamped
+            if node.has_snapshots():
+                return
+            node.evicted = True
+            if id(node) not in active and not node.children:
+                self._evicted.remember(node)
+                parent = node.parent
+                self._trie.remove_leaf(node)
+                self._merge_chain(parent, active)
+            return
         if id(node) in active or len(node.children) > 1:
             self._trie.set_snapshots(node, [])  # keep the node: a branch, or live
             node.evicted = True
@@ -498,6 +468,9 @@ class PrefixCache(Generic[C]):
         if node is None or node is self._trie.root or id(node) in active:
             return
         if node.parent is not None and len(node.children) == 1:
+            (child,) = node.children.values()
+            if node.has_deferred() or child.has_deferred():
+                return  # disk snapshots cannot be merged without reading them
             self._trie.merge_with_child(node)
 
     def _prune(self, active: set[int]) -> None:
@@ -524,15 +497,42 @@ class PrefixCache(Generic[C]):
 
     def close(self) -> None:
         """Drop every cached state, live and paged out (the server is stopping: MLX
-        arrays must not outlive the engine into interpreter shutdown)."""
+        arrays must not outlive the engine into interpreter shutdown). With a disk tier,
+        write the live path and everything in memory first; a later request reopens it."""
         if self._lease is not None:
             self.discard(self._lease)
+        if self._disk is not None and not self._disk.closed:
+            try:
+                self._persist()
+            except Exception:
+                log.exception("prefix cache: writing the cache to disk failed")
+            self._disk.close()
         for node in list(self._trie.walk()):
-            for snap in node.snapshots:
-                if snap is not None:
-                    snap.close()
-            self._trie.set_snapshots(node, [])
+            self._trie.set_snapshots(node, [])  # closes them, keeping the byte count right
         self._clear_live()
+
+    def _persist(self) -> None:
+        """Page the live path out, then move every in-memory snapshot to disk, least
+        recently used first (so the disk's LRU bound drops those first)."""
+        assert self._disk is not None
+        self._page_out(self._path[1:])
+        held = [n for n in self._trie.walk() if n.snapshot_bytes()]
+        for node in sorted(held, key=lambda n: (n.last_used, n.end)):
+            self._disk.spill(self._trie, node, block=True)
+        self._disk.flush()
+
+    def _disk_ready(self) -> None:
+        """Before a request reads the trie: reopen a disk tier `close` gave up (the
+        engine restarted after a failure) and drop snapshots whose files are gone."""
+        if self._disk is None:
+            return
+        if self._disk.closed:
+            if not self._disk.reopen():
+                self._disk = None
+                return
+            self._disk.attach(self._trie)
+        if self._disk.sweep(self._trie):
+            self._prune({id(n) for n in self._path})
 
     # -- inspection --
 
@@ -541,14 +541,17 @@ class PrefixCache(Generic[C]):
 
     def stats(self) -> dict[str, int]:
         nodes = list(self._trie.walk())
+        held = [s for n in nodes for s in n.snapshots if s is not None]
+        on_disk = sum(isinstance(s, DeferredSnapshot) for s in held)
         return {
             **{k: self._counts[k] for k in _COUNTS},
             "nodes": len(nodes) - 1,
-            "snapshots": sum(sum(s is not None for s in n.snapshots) for n in nodes),
+            "snapshots": len(held) - on_disk,
             "paged_bytes": self._trie.paged_bytes,
             "budget_bytes": self.budget_bytes,
             "live_tokens": self._path[-1].end,
             "pins": len(self._pins),
+            **({} if self._disk is None else {"disk_snapshots": on_disk, **self._disk.stats()}),
         }
 
     def recent(self) -> list[CacheReport]:
@@ -579,6 +582,8 @@ class PrefixCache(Generic[C]):
             raise AssertionError(f"live caches at {offsets} behind the live path end {live}")
         if self._trie.paged_bytes > self.budget_bytes:
             raise AssertionError(f"{self._trie.paged_bytes} bytes held, budget {self.budget_bytes}")
+        if self._disk is not None:
+            self._disk.verify()
 
 
 # restore points at message starts, the latest first: an agent edits the end of its
@@ -597,10 +602,6 @@ _COUNTS = (
     "discards",
     "adopted",
 )
-
-
-def _shape(snap: Snapshot | None) -> tuple[int, int, int] | None:
-    return None if snap is None else (snap.base, snap.floor, snap.end)
 
 
 __all__ = ["CacheReport", "ImageKey", "Key", "Lease", "PrefixCache", "PrefixPin", "image_keys"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Protocol, TypeAlias, runtime_checkable
 
 from runtime.cache import LayerCache, Snapshot
 
@@ -29,6 +29,17 @@ class ImageKey:
 
 
 Key: TypeAlias = int | ImageKey
+
+
+@runtime_checkable
+class DeferredSnapshot(Snapshot, Protocol):
+    """A snapshot whose arrays are not in memory (the disk tier's, runtime/prefix_disk.py):
+    it holds no bytes, splits itself by its numbers, and must be read back before a
+    restore uses it. Merging one is never attempted: its node is kept instead."""
+
+    def split_at(self, at: int) -> tuple[Snapshot | None, Snapshot | None]:
+        """Like `LayerCache.split`: (a part restoring to `at` or None, itself)."""
+        ...
 
 
 def image_keys(digest: str, count: int) -> list[ImageKey]:
@@ -63,7 +74,11 @@ class Node:
         return any(s is not None for s in self.snapshots)
 
     def snapshot_bytes(self) -> int:
+        """Bytes held in memory (a deferred snapshot holds none)."""
         return sum(s.nbytes for s in self.snapshots if s is not None)
+
+    def has_deferred(self) -> bool:
+        return any(isinstance(s, DeferredSnapshot) for s in self.snapshots)
 
     def prefix_keys(self, extra: int = 0) -> tuple[Key, ...]:
         """The keys from the root to this node's start, plus its first `extra` keys."""
@@ -136,6 +151,24 @@ class Trie:
         node.evicted = node.evicted and not node.snapshots
         self.paged_bytes += node.snapshot_bytes()
 
+    def replace_snapshot(self, node: Node, layer: int, snap: Snapshot | None) -> Snapshot | None:
+        """Put `snap` in one layer's place; return the one it replaces, not closed (the
+        caller owns it)."""
+        old = node.snapshot(layer)
+        if old is None and snap is None:
+            return None
+        if not node.snapshots:
+            node.snapshots = [None] * len(self.layers)
+        self.paged_bytes += (0 if snap is None else snap.nbytes) - (
+            0 if old is None else old.nbytes
+        )
+        node.snapshots[layer] = snap
+        if not node.has_snapshots():
+            node.snapshots = []
+        elif snap is not None:
+            node.evicted = False
+        return old
+
     def set_snapshot(self, node: Node, layer: int, snap: Snapshot) -> None:
         """Give one layer of the node a snapshot (it must have none)."""
         if not node.snapshots:
@@ -147,6 +180,20 @@ class Trie:
         self.paged_bytes += snap.nbytes
 
     # -- structure --
+
+    def insert(self, keys: Sequence[Key], last_used: int) -> Node:
+        """The node ending exactly after `keys`: splits an edge or adds a child where
+        needed (never grows a leaf, which may be live)."""
+        node, pos = self.root, 0
+        while pos < len(keys):
+            child = node.children.get(keys[pos])
+            if child is None:
+                return self.add_child(node, tuple(keys[pos:]), last_used)
+            n = _common_length(child.keys, keys, pos)
+            if n < len(child.keys):
+                child = self.split(child, child.start + n)
+            node, pos = child, pos + n
+        return node
 
     def add_child(self, parent: Node, keys: tuple[Key, ...], last_used: int) -> Node:
         if not keys or keys[0] in parent.children:
@@ -170,7 +217,7 @@ class Trie:
         old = self.take_snapshots(node)
         if old:
             halves = [
-                (None, None) if s is None else layer.split(s, at)
+                (None, None) if s is None else _split(layer, s, at)
                 for layer, s in zip(self.layers, old, strict=True)
             ]
             self.set_snapshots(upper, [h[0] for h in halves])
@@ -253,10 +300,18 @@ class Trie:
             node, depth = stack.pop()
             held = sum(s is not None for s in node.snapshots)
             flags = f" snap {held}/{len(self.layers)} {node.snapshot_bytes()}B" if held else ""
+            on_disk = sum(isinstance(s, DeferredSnapshot) for s in node.snapshots)
+            flags += f" ({on_disk} on disk)" if on_disk else ""
             flags += " *" if id(node) in on_path else ""
             lines.append(f"{'  ' * depth}[{node.start},{node.end}) {len(node.keys)}t{flags}")
             stack.extend((c, depth + 1) for c in reversed(list(node.children.values())))
         return "\n".join(lines)
+
+
+def _split(layer: LayerCache, snap: Snapshot, at: int) -> tuple[Snapshot | None, Snapshot | None]:
+    if isinstance(snap, DeferredSnapshot):
+        return snap.split_at(at)
+    return layer.split(snap, at)
 
 
 def _verify_node(node: Node, root: Node, layers: int) -> None:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -20,6 +21,8 @@ from runtime.constraints import GrammarVocabulary, TokenMatcher
 from runtime.detokenizer import DetokenizerTable
 from runtime.generate import DEFAULT_PREFILL_CHUNK
 from runtime.prefix_cache import Lease, PrefixCache
+from runtime.prefix_disk import DiskTier
+from runtime.prefix_files import model_identity
 from runtime.prefix_report import CacheReport
 from runtime.sampling import Sampler
 from runtime.scheduler import Scheduler
@@ -45,10 +48,17 @@ def default_prefix_cache_bytes() -> int:
     return int(total // 5)
 
 
+DEFAULT_PREFIX_CACHE_DISK_BYTES = 8 * 1024**3
+
+
 @dataclass(frozen=True)
 class RunnerSettings:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     prefix_cache_bytes: int = field(default_factory=default_prefix_cache_bytes)
+    # the prefix cache's disk tier (runtime/prefix_disk.py): this model's directory, and
+    # the most its files may take; None = state evicted from memory is dropped
+    prefix_cache_dir: Path | None = None
+    prefix_cache_disk_bytes: int = DEFAULT_PREFIX_CACHE_DISK_BYTES
     snapshot_interval: int = 1024
     max_batch: int = 8  # sequences decoding together; 1 serves one request at a time
     # the running batch's caches stay under this; a request that would not fit waits
@@ -74,6 +84,7 @@ class ModelRunner:
             loaded.model.make_caches,
             budget_bytes=self.settings.prefix_cache_bytes,
             snapshot_interval=self.settings.snapshot_interval,
+            disk=_disk_tier(loaded, self.settings),
         )
         # held while a request runs, so a dump from another thread sees a settled trie
         self.lock = threading.Lock()
@@ -190,6 +201,25 @@ class ModelRunner:
     def load(self) -> tuple[int, int, int, float]:
         s = self.scheduler.stats
         return s.running, s.prefilling, s.steps, s.decode_step_seconds
+
+
+def _disk_tier(loaded: LoadedModel, settings: RunnerSettings) -> DiskTier | None:
+    """The prefix cache's disk tier, when a directory is set and both caches have room.
+
+    The identity covers what changes the cached state: the weights (files' names, sizes,
+    mtimes), the dtype they were loaded in, and the device computing it."""
+    root = settings.prefix_cache_dir
+    if root is None or settings.prefix_cache_bytes <= 0 or settings.prefix_cache_disk_bytes <= 0:
+        return None
+    identity = model_identity(
+        loaded.source,
+        f"dtype={loaded.dtype}",
+        f"quantized={loaded.quantized}",
+        f"device={mx.default_device()}",
+    )
+    return DiskTier.open(
+        Path(root).expanduser(), max_bytes=settings.prefix_cache_disk_bytes, identity=identity
+    )
 
 
 def _report_logger(tokenizer: Any) -> Callable[[Lease[Any]], None]:

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import uvicorn
 
 from gateway.app import create_app
+from gateway.core.models_registry import ModelRegistry
 from gateway.core.served import ServedModel
 from gateway.core.settings import ServerSettings
 
@@ -23,9 +24,10 @@ def free_port() -> int:
 
 @contextmanager
 def live_server(
-    load: Callable[[], ServedModel], settings: ServerSettings | None = None
+    load: ModelRegistry | Callable[[], ServedModel], settings: ServerSettings | None = None
 ) -> Iterator[str]:
-    """Yield the base URL (http://127.0.0.1:PORT) of a running server."""
+    """Yield the base URL (http://127.0.0.1:PORT) of a running server: of one model
+    (`load` builds it), or of a registry's models."""
     port = free_port()
     app = create_app(load, settings)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")

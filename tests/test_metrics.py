@@ -157,8 +157,10 @@ def test_middleware_and_endpoint() -> None:
         ]
     )
     app.state.metrics = metrics
-    engine = SimpleNamespace(queue_depth=4, stats=EngineStats(prompt_tokens_total=12))
-    app.state.served = SimpleNamespace(id="tiny", engine=engine)
+    model = SimpleNamespace(
+        spec=SimpleNamespace(id="tiny"), queue_depth=4, stats=EngineStats(prompt_tokens_total=12)
+    )
+    app.state.models = SimpleNamespace(status=lambda: [model])  # a registry's status()
     client = TestClient(MetricsMiddleware(app, metrics=metrics))
     for name in ("a", "b"):
         assert client.get(f"/hello/{name}").status_code == 200

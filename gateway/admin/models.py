@@ -1,65 +1,86 @@
 """GET /v1/models, GET /v1/models/{id}, and the health routes.
 
-GET /health reports the server's `state`: `loading` (no model yet), `ready` (model
-loaded, engine stepping), `draining` (shutting down: new requests get 503),
-`engine_failed` (the engine's worker died; it restarts shortly), `stalled` (the worker
-made no step within --engine-stall-seconds; a fresh one starts when it returns) or
-`stopped`; 200 only when ready. GET /health/live (200 while the process answers) and
-GET /health/ready (200 or 503) are the pair an orchestrator probes.
+GET /v1/models lists every configured model, loaded or not (`loaded` and `state` say
+which), each followed by one card per alias. GET /health reports the server's `state`
+from its default model: `loading` (starting up), `ready` (loaded and stepping, or
+unloaded after its keep-alive: the next request loads it), `draining` (shutting down:
+new requests get 503), `engine_failed` (the engine's worker died; it restarts shortly),
+`stalled` (the worker made no step within --engine-stall-seconds; a fresh one starts
+when it returns) or `stopped`; 200 only when ready. `models` gives each model's state
+(loaded, loading, unloading, unloaded). GET /health/live (200 while the process
+answers) and GET /health/ready (200 or 503) are the pair an orchestrator probes.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from gateway.core.generation import output_bound, output_limit
 from gateway.core.http import server_settings
-from gateway.core.served import ServedModel
+from gateway.core.model_use import registry
+from gateway.core.models_registry import ModelFacts, ModelRegistry, ModelState, ModelStatus
 from gateway.core.settings import ServerSettings
 from runtime.engine import EngineState
 
 
 def model_card(
-    served: ServedModel, settings: ServerSettings, name: str | None = None
+    status: ModelStatus, settings: ServerSettings, name: str | None = None
 ) -> dict[str, object]:
-    """The model's card under `name` (its id, or one of its aliases)."""
-    loaded = served.loaded
+    """The model's card under `name` (its id, or one of its aliases). An unloaded model
+    shows what its last load found; one never loaded, only its source."""
+    spec = status.spec
+    facts = ModelFacts.of(status.served) if status.served is not None else status.facts
     card: dict[str, object] = {
-        "id": name or served.id,
+        "id": name or spec.id,
         "object": "model",
-        "created": served.created,
+        "created": status.created,
         "owned_by": "mlx-gateway",
-        "context_length": served.context_length,
-        # what a request that sets no limit may generate, and what any request may
-        "max_tokens_default": output_bound(served, settings),
-        "max_output_tokens": output_limit(served, settings),
-        "sampling_defaults": dict(served.sampling_defaults),
-        "source": str(loaded.source),
-        "dtype": loaded.dtype,
-        "quantized": loaded.quantized,
-        "capabilities": served.caps.card(),
-        "aliases": list(served.names[1:]),
     }
-    if name is not None and name != served.id:
-        card["alias_of"] = served.id
+    if facts is None:
+        card["source"] = spec.source
+    else:
+        card.update(
+            {
+                "context_length": facts.context_length,
+                # what a request that sets no limit may generate, and what any request may
+                "max_tokens_default": output_bound(facts, settings),
+                "max_output_tokens": output_limit(facts, settings),
+                "sampling_defaults": dict(facts.sampling_defaults),
+                "source": facts.source,
+                "dtype": facts.dtype,
+                "quantized": facts.quantized,
+                "capabilities": dict(facts.capabilities),
+            }
+        )
+    card["aliases"] = list(spec.names[1:])
+    card["loaded"] = status.state is ModelState.LOADED
+    card["state"] = status.state.value
+    if name is not None and name != spec.id:
+        card["alias_of"] = spec.id
     return card
 
 
 async def list_models(request: Request) -> JSONResponse:
-    """The model first, then one entry per alias: a client that checks its configured
-    name against this list (or picks from it) finds every name the server answers to."""
-    served: ServedModel = request.app.state.served
+    """Each model, then one entry per alias: a client that checks its configured name
+    against this list (or picks from it) finds every name the server answers to."""
     settings = server_settings(request)
-    data = [model_card(served, settings, name) for name in served.names]
+    data = [
+        model_card(status, settings, name)
+        for status in registry(request).status()
+        for name in status.spec.names
+    ]
     return JSONResponse({"object": "list", "data": data})
 
 
 async def get_model(request: Request) -> JSONResponse:
-    served: ServedModel = request.app.state.served
+    models = registry(request)
     name = str(request.path_params["model_id"])
-    served.check_model(name)
-    return JSONResponse(model_card(served, server_settings(request), name))
+    spec = models.find(name)
+    status = next(s for s in models.status() if s.spec is spec)
+    return JSONResponse(model_card(status, server_settings(request), name))
 
 
 _STATES = {
@@ -72,42 +93,67 @@ _STATES = {
 _NOT_READY = {"Retry-After": "5"}
 
 
-def _state(request: Request) -> tuple[ServedModel | None, str]:
-    served: ServedModel | None = getattr(request.app.state, "served", None)
-    if served is None:
-        return None, "loading"
-    return served, _STATES[served.engine.state]
+def _state(request: Request) -> tuple[ModelRegistry | None, ModelStatus | None, str]:
+    """The server's state, from its default model."""
+    models = getattr(request.app.state, "models", None)
+    if not isinstance(models, ModelRegistry):
+        return None, None, "loading"
+    default = models.status()[0]
+    if models.draining:
+        return models, default, "draining"
+    if default.served is None:
+        return models, default, "ready"  # unloaded after its keep-alive: loads on demand
+    return models, default, _STATES[default.served.engine.state]
+
+
+def _models(models: ModelRegistry) -> list[dict[str, Any]]:
+    out = []
+    for status in models.status():
+        engine = status.engine_state
+        out.append({**status.card(), "engine": None if engine is None else _STATES[engine]})
+    return out
+
+
+def _engine_fields(status: ModelStatus) -> dict[str, Any]:
+    stats = status.stats
+    fields: dict[str, Any] = {
+        "busy": stats.busy,
+        "queue_depth": status.queue_depth,
+        "running": stats.running,
+        "prefilling": stats.prefilling,
+        "decode_step_seconds": round(stats.decode_step_seconds, 6),
+        "requests_total": stats.requests_total,
+    }
+    watch = None if status.served is None else status.served.engine.health()
+    age = None if watch is None else watch.heartbeat_age
+    # seconds since the engine's worker last stepped, admitted or polled its queue
+    fields["heartbeat_age_seconds"] = None if age is None else round(age, 3)
+    fields["engine_restarts"] = 0 if watch is None else watch.restarts
+    fields["engine_failures"] = 0 if watch is None else watch.failures
+    fields["last_engine_failure"] = None if watch is None else watch.last_failure
+    return fields
 
 
 async def health(request: Request) -> JSONResponse:
-    served, state = _state(request)
-    if served is None:
+    models, default, state = _state(request)
+    if models is None or default is None:
         body = {"status": "starting", "state": state, "live": True, "ready": False}
         return JSONResponse({**body, "model_loaded": False}, status_code=503, headers=_NOT_READY)
-    engine = served.engine
-    stats, watch = engine.stats, engine.health()
     ready = state == "ready"
-    age = watch.heartbeat_age
+    facts = ModelFacts.of(default.served) if default.served is not None else default.facts
     return JSONResponse(
         {
             "status": "ok" if ready else state,
             "state": state,
             "live": True,
             "ready": ready,
-            "model": served.id,
-            "model_loaded": True,
-            "context_length": served.context_length,
-            "busy": stats.busy,
-            "queue_depth": engine.queue_depth,
-            "running": stats.running,
-            "prefilling": stats.prefilling,
-            "decode_step_seconds": round(stats.decode_step_seconds, 6),
-            "requests_total": stats.requests_total,
-            # seconds since the engine's worker last stepped, admitted or polled its queue
-            "heartbeat_age_seconds": None if age is None else round(age, 3),
-            "engine_restarts": watch.restarts,
-            "engine_failures": watch.failures,
-            "last_engine_failure": watch.last_failure,
+            "model": default.spec.id,
+            "model_loaded": default.served is not None,
+            "context_length": None if facts is None else facts.context_length,
+            **_engine_fields(default),
+            "models": _models(models),
+            "keep_alive_seconds": models.keep_alive,
+            "memory_budget_bytes": models.memory_budget,
         },
         status_code=200 if ready else 503,
         headers=None if ready else _NOT_READY,
@@ -116,13 +162,13 @@ async def health(request: Request) -> JSONResponse:
 
 async def health_live(request: Request) -> JSONResponse:
     """The process is up and answering (a restart would not help a loading model)."""
-    _, state = _state(request)
+    _, _, state = _state(request)
     return JSONResponse({"live": True, "state": state})
 
 
 async def health_ready(request: Request) -> JSONResponse:
     """Whether to send this server requests now."""
-    _, state = _state(request)
+    _, _, state = _state(request)
     ready = state == "ready"
     return JSONResponse(
         {"ready": ready, "state": state},

@@ -3,13 +3,16 @@ with chat messages rendered through its template exactly as a chat request would
 
 from __future__ import annotations
 
+from functools import partial
+
 from anyio import to_thread
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from gateway.core.errors import InvalidRequest, Unprocessable
-from gateway.core.http import read_json, served_model, validate
+from gateway.core.http import read_json, validate
 from gateway.core.images import expand_markers, image_sources, read_images, require_vision
+from gateway.core.model_use import with_model
 from gateway.core.plan import render_options
 from gateway.core.served import ServedModel
 from gateway.openai import adapt as adapters
@@ -59,22 +62,24 @@ def _tokens(served: ServedModel, req: TokenizeRequest) -> list[int]:
     return served.loaded.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
 
-async def tokenize(request: Request) -> JSONResponse:
-    served = served_model(request)
+async def tokenize(request: Request) -> Response:
     req = validate(TokenizeRequest, await read_json(request))
-    if req.model is not None:
-        served.check_model(req.model)
+    return await with_model(request, req.model, partial(_tokenize, req))
+
+
+async def _tokenize(req: TokenizeRequest, served: ServedModel) -> Response:
     tokens = await to_thread.run_sync(_tokens, served, req)
     return JSONResponse(
         {"tokens": tokens, "count": len(tokens), "max_model_len": served.context_length}
     )
 
 
-async def detokenize(request: Request) -> JSONResponse:
-    served = served_model(request)
+async def detokenize(request: Request) -> Response:
     req = validate(DetokenizeRequest, await read_json(request))
-    if req.model is not None:
-        served.check_model(req.model)
+    return await with_model(request, req.model, partial(_detokenize, req))
+
+
+async def _detokenize(req: DetokenizeRequest, served: ServedModel) -> Response:
     size = served.loaded.tokenizer.vocab_size
     bad = next((t for t in req.tokens if not 0 <= t < size), None)
     if bad is not None:

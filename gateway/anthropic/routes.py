@@ -13,6 +13,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from anyio import to_thread
@@ -33,7 +34,8 @@ from gateway.core.generation import (
     submit,
     until_disconnect,
 )
-from gateway.core.http import read_json, served_model, server_settings, validate
+from gateway.core.http import read_json, server_settings, validate
+from gateway.core.model_use import with_model
 from gateway.core.plan import ChatPlan
 from gateway.core.prepare import Prepared, check_chat, new_parser, prepare
 from gateway.core.reply import Reply, parsed
@@ -83,12 +85,21 @@ def _log_headers(request: Request) -> None:
 
 
 async def messages(request: Request) -> Response:
-    served = served_model(request)
-    settings = server_settings(request)
     req = validate(MessagesRequest, await read_json(request))
-    served.check_model(req.model)
-    check_chat(served)
     _log_headers(request)
+    return await with_model(
+        request,
+        req.model,
+        partial(_answer, request, req),
+        stream=req.stream,
+        on_error=error_events,
+        ping=ping_event,
+    )
+
+
+async def _answer(request: Request, req: MessagesRequest, served: ServedModel) -> Response:
+    settings = server_settings(request)
+    check_chat(served)
     plan = adapt.chat_plan(
         req, tools_supported=served.caps.tools, defaults=served.sampling_defaults
     )
@@ -148,9 +159,11 @@ async def _collect(
 
 
 async def count_tokens(request: Request) -> Response:
-    served = served_model(request)
     req = validate(CountTokensRequest, await read_json(request))
-    served.check_model(req.model)
+    return await with_model(request, req.model, partial(_count, req))
+
+
+async def _count(req: CountTokensRequest, served: ServedModel) -> Response:
     check_chat(served)
     plan = adapt.prompt_plan(
         req, tools_supported=served.caps.tools, defaults=served.sampling_defaults

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from gateway.cli.errors import FAILED, CliError, StoreError
 from gateway.core.serving import EngineSettings
@@ -24,6 +24,9 @@ from gateway.core.settings import (
     DEFAULT_MAX_TOKENS,
     ServerSettings,
 )
+
+if TYPE_CHECKING:
+    from gateway.core.models_registry import ModelRegistry
 
 DEFAULT_MODEL = "smollm2-135m"
 ENV_PREFIX = "MLX_GATEWAY_"
@@ -118,7 +121,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve a model over the OpenAI API")
-    s.add_argument("--model", default=_env("MODEL", DEFAULT_MODEL), help=MODEL_HELP)
+    s.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help=MODEL_HELP + "; repeatable: several models, loaded on demand, the first the "
+        f"default (default: $MLX_GATEWAY_MODEL, else {DEFAULT_MODEL})",
+    )
     s.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     s.add_argument("--port", type=int, default=_env_int("PORT", 8000))
     s.add_argument(
@@ -132,6 +141,7 @@ def _parser() -> argparse.ArgumentParser:
         help="another model name to answer to (repeatable; e.g. the names Claude Code asks "
         "for; default: $MLX_GATEWAY_MODEL_ALIAS, comma-separated)",
     )
+    _models_args(s)
     _engine_args(s)
     _server_args(s)
 
@@ -188,6 +198,21 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "default: a fifth of RAM)",
     )
     p.add_argument(
+        "--prefix-cache-dir",
+        type=Path,
+        default=_env("PREFIX_CACHE_DIR", "") or None,
+        help="keep conversation state evicted from memory (and all of it at shutdown) on "
+        "disk here, one folder per model, so it survives restarts "
+        "(e.g. ~/.cache/mlx-gateway/prefix; default: no disk tier)",
+    )
+    p.add_argument(
+        "--prefix-cache-disk-bytes",
+        type=parse_bytes,
+        default=_env_bytes("PREFIX_CACHE_DISK_BYTES", None),
+        help="most disk each model's prefix-cache folder may take; the least recently "
+        "used state goes first (default 8G)",
+    )
+    p.add_argument(
         "--snapshot-interval",
         type=int,
         default=_env_int("SNAPSHOT_INTERVAL", 1024),
@@ -204,6 +229,32 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=_env("PARSER", "") or None,
         help="read model output with this parser instead of the detected one "
         "(hermes, qwen3-coder, glm-4.7, deepseek-v3.1, llama3-json, think, passthrough)",
+    )
+
+
+def _models_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE.toml",
+        help="the models to serve, in a TOML file of [[models]] tables (source, id, aliases, "
+        "template_family, parser, context_length, sampling); instead of --model (default: "
+        "$MLX_GATEWAY_CONFIG when no --model is given)",
+    )
+    p.add_argument(
+        "--keep-alive",
+        type=_seconds,
+        default=_env("KEEP_ALIVE", "1800"),
+        help="unload a model idle this many seconds; the next request loads it again "
+        "(default 1800; 0 = never)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=parse_bytes,
+        default=_env_bytes("MEMORY_BUDGET", None),
+        help="memory for loaded models' weights: a model that would not fit first unloads "
+        "the least recently used idle ones (default: three quarters of RAM)",
     )
 
 
@@ -320,6 +371,8 @@ def _engine_settings(args: argparse.Namespace) -> EngineSettings:
         max_queue=args.max_queue,
         max_batch=args.max_batch,
         prefix_cache_bytes=args.prefix_cache_bytes,
+        prefix_cache_dir=args.prefix_cache_dir,
+        prefix_cache_disk_bytes=args.prefix_cache_disk_bytes,
         snapshot_interval=args.snapshot_interval,
         template_family=args.template_family,
         parser=args.parser,
@@ -340,7 +393,6 @@ def _serve(args: argparse.Namespace) -> int:
     import dataclasses
 
     from gateway.app import create_app
-    from gateway.core.serving import build_served
     from gateway.server import run_server
 
     server = server_settings(args)
@@ -348,19 +400,19 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError("--engine-stall-seconds must be above 0 (default 300)")
     stall = args.engine_stall_seconds
     settings = dataclasses.replace(_engine_settings(args), stall_seconds=stall)
-    path, model_id = _resolve(args.model)  # after the checks: it may download
-    model_id = args.model_id or model_id
-    aliases = model_aliases(args)
-    app = create_app(
-        lambda: build_served(path, model_id=model_id, aliases=aliases, settings=settings), server
-    )
+    registry = _registry(args, settings)  # after the checks: it may download
+    app = create_app(registry, server)
     warning = bind_warning(args.host, server.api_key)
     if warning:
         print(warning, file=sys.stderr)
     url = client_url(args.host, args.port)
-    print(f"mlx-gateway: serving {model_id} at {url}  (OPENAI_BASE_URL={url})", file=sys.stderr)
-    if aliases:
-        print(f"mlx-gateway: also answering to {', '.join(sorted(aliases))}", file=sys.stderr)
+    default, *others = registry.specs
+    print(f"mlx-gateway: serving {default.id} at {url}  (OPENAI_BASE_URL={url})", file=sys.stderr)
+    if default.aliases:
+        print(f"mlx-gateway: also answering to {', '.join(default.names[1:])}", file=sys.stderr)
+    for spec in others:
+        names = ", ".join(spec.names)
+        print(f"mlx-gateway: and, loaded on first use, {names}", file=sys.stderr)
     return run_server(
         app,
         host=args.host,
@@ -368,6 +420,32 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level.lower(),
         grace=args.shutdown_grace,
     )
+
+
+def _registry(args: argparse.Namespace, settings: EngineSettings) -> ModelRegistry:
+    """The models to serve: --config's, else each --model (else $MLX_GATEWAY_MODEL)."""
+    import dataclasses
+
+    from gateway.cli import serve_models
+    from gateway.core.models_registry import ModelRegistry
+
+    aliases = model_aliases(args)  # for the default model, however the models are given
+    config = args.config
+    if config is None and not args.model and _env("CONFIG", ""):
+        config = Path(_env("CONFIG", ""))
+    if config is not None:
+        if args.model or args.model_id:
+            raise CliError("give the models with --config or with --model, not both")
+        configs = serve_models.read_config(config)
+        configs[0] = dataclasses.replace(configs[0], aliases=configs[0].aliases | aliases)
+    else:
+        models = args.model or [_env("MODEL", DEFAULT_MODEL)]
+        configs = serve_models.from_flags(models, args.model_id, aliases)
+    specs = serve_models.model_specs(configs, settings, _resolve)
+    try:
+        return ModelRegistry(specs, keep_alive=args.keep_alive, memory_budget=args.memory_budget)
+    except ValueError as exc:  # two models answering to one name
+        raise CliError(str(exc)) from None
 
 
 def _pull(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
@@ -105,14 +105,21 @@ def requests_for(
     ]
 
 
-def output_bound(served: ServedModel, settings: ServerSettings) -> int:
+class HasContext(Protocol):
+    """A model, loaded or as last seen: its context length bounds its output."""
+
+    @property
+    def context_length(self) -> int: ...
+
+
+def output_bound(served: HasContext, settings: ServerSettings) -> int:
     """The most a request that sets no output limit generates (before its prompt takes
     its share of the context): --default-max-tokens, within --max-tokens-cap."""
     bounds = (settings.default_max_tokens, settings.max_tokens_cap, served.context_length - 1)
     return min(b for b in bounds if b is not None)
 
 
-def output_limit(served: ServedModel, settings: ServerSettings) -> int:
+def output_limit(served: HasContext, settings: ServerSettings) -> int:
     """The most any one request may generate: --max-tokens-cap, within the context."""
     room = served.context_length - 1
     return room if settings.max_tokens_cap is None else min(room, settings.max_tokens_cap)

@@ -9,8 +9,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from gateway.core.errors import InvalidRequest, Overloaded, PayloadTooLarge
-from gateway.core.served import ServedModel
+from gateway.core.errors import InvalidRequest, PayloadTooLarge
 from gateway.core.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
 log = logging.getLogger(__name__)
@@ -23,13 +22,6 @@ DEFAULT_MAX_BODY = DEFAULT_MAX_BODY_BYTES
 def server_settings(request: Request) -> ServerSettings:
     settings = getattr(request.app.state, "settings", None)
     return settings if isinstance(settings, ServerSettings) else ServerSettings()
-
-
-def served_model(request: Request) -> ServedModel:
-    served = getattr(request.app.state, "served", None)
-    if not isinstance(served, ServedModel):
-        raise Overloaded("The model is still loading; retry shortly.", headers={"Retry-After": "5"})
-    return served
 
 
 def _no_constants(name: str) -> Any:

@@ -4,7 +4,9 @@ Two kinds of series. What the gateway sees happen (HTTP requests, from a middlew
 tokens, speeds and prefix-cache hits, from the generations the routes watch) lives in
 prometheus_client metrics on the `Metrics` object. What the engine owns (queue depth,
 token totals, busy) is read once per scrape through `READINGS`: a new engine gauge is one
-row there. Each app has its own registry, with the process collector (resident memory,
+row there. With several models configured, those engine series carry a `model` label (one
+sample per model); with one, no label, as before. The per-generation series are summed
+over the models. Each app has its own registry, with the process collector (resident memory,
 CPU seconds, open file descriptors).
 """
 
@@ -15,9 +17,9 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -29,6 +31,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runtime.engine import EngineStats
 from runtime.types import FinishReason, GenerationStats
+
+if TYPE_CHECKING:
+    from gateway.core.models_registry import ModelRegistry
 
 # the 0.0.4 text format is what generate_latest writes
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -61,6 +66,14 @@ class Reading:
         if self.kind == "counter":
             return CounterMetricFamily(PREFIX + self.name, self.help, value=value)
         return GaugeMetricFamily(PREFIX + self.name, self.help, value=value)
+
+    def labelled(self, views: Sequence[EngineView]) -> Metric:
+        """One sample per model, labelled with its id (a server with several models)."""
+        kind = CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily
+        family = kind(PREFIX + self.name, self.help, labels=["model"])
+        for view in views:
+            family.add_metric([view.model], float(self.read(view)))
+        return family
 
 
 def gauge(name: str, help_text: str, read: Callable[[EngineView], float]) -> Reading:
@@ -166,8 +179,11 @@ class Metrics:
         if stats.prefill_seconds > 0 and stats.prompt_tokens > stats.cached_tokens:
             _observe(self.prefill_tps, stats.prefill_tps)
 
-    def render(self, view: EngineView) -> str:
-        return generate_latest(_Scrape(self.registry, view)).decode("utf-8")
+    def render(self, views: EngineView | Sequence[EngineView]) -> str:
+        """With one model the engine series carry no label (as they always have); with
+        several, each gets a `model` label and one sample per configured model."""
+        views = (views,) if isinstance(views, EngineView) else tuple(views)
+        return generate_latest(_Scrape(self.registry, views)).decode("utf-8")
 
 
 def _observe(histogram: Histogram, value: float) -> None:
@@ -176,18 +192,22 @@ def _observe(histogram: Histogram, value: float) -> None:
 
 
 class _Scrape(Collector):
-    """One scrape: the served model, the engine's readings, then the registry."""
+    """One scrape: the served models, the engines' readings, then the registry."""
 
-    def __init__(self, registry: CollectorRegistry, view: EngineView) -> None:
+    def __init__(self, registry: CollectorRegistry, views: tuple[EngineView, ...]) -> None:
         self._registry = registry
-        self._view = view
+        self._views = views
 
     def collect(self) -> Iterable[Metric]:
-        info = GaugeMetricFamily(PREFIX + "info", "The served model.", labels=["model"])
-        info.add_metric([self._view.model], 1)
+        info = GaugeMetricFamily(PREFIX + "info", "The served models.", labels=["model"])
+        for view in self._views:
+            info.add_metric([view.model], 1)
         yield info
         for reading in READINGS:
-            yield reading.family(self._view)
+            if len(self._views) == 1:
+                yield reading.family(self._views[0])
+            else:
+                yield reading.labelled(self._views)
         yield from self._registry.collect()
 
 
@@ -258,8 +278,9 @@ class MetricsMiddleware:
 
 
 async def metrics_endpoint(request: Request) -> Response:
+    """Every configured model's engine series; an unloaded model's counters keep what its
+    earlier engines counted, its gauges read 0."""
     metrics: Metrics = request.app.state.metrics
-    served = request.app.state.served
-    engine = served.engine
-    text = render(metrics, model=served.id, queue_depth=engine.queue_depth, engine=engine.stats)
-    return Response(text, media_type=CONTENT_TYPE)
+    models: ModelRegistry = request.app.state.models
+    views = [EngineView(s.spec.id, s.queue_depth, s.stats) for s in models.status()]
+    return Response(metrics.render(views), media_type=CONTENT_TYPE)

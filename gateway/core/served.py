@@ -1,16 +1,16 @@
-"""The model this server serves: loaded weights, its renderer and its engine."""
+"""A loaded model: its weights, renderer and engine (gateway/core/models_registry.py
+loads and unloads them)."""
 
 from __future__ import annotations
 
 import logging
-import shlex
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.core.capabilities import Capabilities
-from gateway.core.errors import InvalidRequest, NotFound
+from gateway.core.errors import InvalidRequest
 from gateway.core.images import ImagePolicy
 
 if TYPE_CHECKING:
@@ -48,24 +48,6 @@ class ServedModel:
     @property
     def vision(self) -> bool:
         return self.caps.vision
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """Every model name this server answers to: its id, then the aliases."""
-        return (self.id, *sorted(self.aliases - {self.id}))
-
-    def check_model(self, name: str) -> None:
-        if name == self.id or name in self.aliases:
-            return
-        served = ", ".join(repr(n) for n in self.names)
-        raise NotFound(
-            f"The model {name!r} is not served here; this server answers to {served} "
-            "(GET /v1/models lists them). To answer to this name too, restart it with "
-            f"--model-alias {shlex.quote(name)} (repeatable; or add it to the "
-            "comma-separated MLX_GATEWAY_MODEL_ALIAS).",
-            param="model",
-            code="model_not_found",
-        )
 
     def check_fits(
         self,

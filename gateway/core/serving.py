@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,9 @@ class EngineSettings:
     max_batch: int = 8  # sequences decoding together; 1 = one request at a time
     max_queue: int = 64
     prefix_cache_bytes: int | None = None  # None = the runtime's default share of memory
+    # the prefix cache's disk tier: a root holding one folder per model (None = none)
+    prefix_cache_dir: Path | None = None
+    prefix_cache_disk_bytes: int | None = None  # None = the runtime's default (8 GiB)
     snapshot_interval: int = 1024
     template_family: str | None = None  # force a built-in renderer
     parser: str | None = None  # force an output parser
@@ -75,6 +79,14 @@ def build_served(
         runner_settings = dataclasses.replace(
             runner_settings, prefix_cache_bytes=settings.prefix_cache_bytes
         )
+    if settings.prefix_cache_dir is not None:
+        runner_settings = dataclasses.replace(
+            runner_settings, prefix_cache_dir=model_folder(settings.prefix_cache_dir, model_id)
+        )
+    if settings.prefix_cache_disk_bytes is not None:
+        runner_settings = dataclasses.replace(
+            runner_settings, prefix_cache_disk_bytes=settings.prefix_cache_disk_bytes
+        )
     runner = ModelRunner(model, runner_settings)
     engine = Engine(runner, max_queue=settings.max_queue, stall_seconds=settings.stall_seconds)
     log.info("%s: capabilities %s", model_id, caps.card())
@@ -91,6 +103,13 @@ def build_served(
         runner=runner,
         sampling_defaults=defaults,
     )
+
+
+def model_folder(root: Path, model_id: str) -> Path:
+    """The model's own folder under a shared root: its id, made a safe single name
+    ("Qwen/Qwen3-8B" -> "Qwen--Qwen3-8B")."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", model_id.replace("/", "--")).strip(".-")
+    return root.expanduser() / (name or "model")
 
 
 # generation_config.json's sampling fields, and the values each may take

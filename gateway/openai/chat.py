@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from anyio import to_thread
@@ -22,9 +23,11 @@ from gateway.core.generation import (
     submit,
     until_disconnect,
 )
-from gateway.core.http import read_json, served_model, server_settings, validate
+from gateway.core.http import read_json, server_settings, validate
+from gateway.core.model_use import with_model
 from gateway.core.plan import ChatPlan
 from gateway.core.prepare import check_chat, new_parser, prepare
+from gateway.core.served import ServedModel
 from gateway.openai import adapt as adapters
 from gateway.openai.chat_output import ChatOutput
 from gateway.openai.emit import FINISH, ChatStream, Usage, logprobs_content
@@ -33,10 +36,12 @@ from runtime.types import Finished, FinishReason, TextDelta, TokenLogprob
 
 
 async def chat_completions(request: Request) -> Response:
-    served = served_model(request)
-    settings = server_settings(request)
     req = validate(ChatCompletionRequest, await read_json(request))
-    served.check_model(req.model)
+    return await with_model(request, req.model, partial(_complete, request, req), stream=req.stream)
+
+
+async def _complete(request: Request, req: ChatCompletionRequest, served: ServedModel) -> Response:
+    settings = server_settings(request)
     check_chat(served)
     plan = adapters.chat_plan(
         req,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from anyio import to_thread
@@ -27,7 +28,8 @@ from gateway.core.generation import (
     submit,
     until_disconnect,
 )
-from gateway.core.http import read_json, served_model, server_settings, validate
+from gateway.core.http import read_json, server_settings, validate
+from gateway.core.model_use import with_model
 from gateway.core.served import ServedModel
 from gateway.core.settings import ServerSettings
 from gateway.openai import adapt as adapters
@@ -74,10 +76,12 @@ def _requests(
 
 
 async def completions(request: Request) -> Response:
-    served = served_model(request)
-    settings = server_settings(request)
     req = validate(CompletionRequest, await read_json(request))
-    served.check_model(req.model)
+    return await with_model(request, req.model, partial(_complete, request, req), stream=req.stream)
+
+
+async def _complete(request: Request, req: CompletionRequest, served: ServedModel) -> Response:
+    settings = server_settings(request)
     plan = adapters.completion_plan(
         req, vocab_size=served.vocab_size, defaults=served.sampling_defaults
     )

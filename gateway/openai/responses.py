@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 from anyio import to_thread
@@ -32,7 +33,8 @@ from gateway.core.generation import (
     submit,
     until_disconnect,
 )
-from gateway.core.http import read_json, served_model, server_settings, validate
+from gateway.core.http import read_json, server_settings, validate
+from gateway.core.model_use import with_model
 from gateway.core.plan import ChatPlan
 from gateway.core.prepare import Prepared, check_chat, new_parser, prepare
 from gateway.core.reply import Reply, parsed
@@ -48,12 +50,22 @@ log = logging.getLogger(__name__)
 
 
 async def create_response(request: Request) -> Response:
-    served = served_model(request)
+    req = validate(ResponsesRequest, await read_json(request))
+    return await with_model(
+        request, req.model, partial(_respond, request, req), stream=req.stream, on_error=_error
+    )
+
+
+def _error(err: APIError) -> list[dict[str, Any]]:
+    """An error before the stream's first event (its model failed to load, or the request
+    does not fit it): the Responses API's `error` event."""
+    return _sse([{"type": "error", "code": err.code, "message": err.message,
+                  "param": err.param, "sequence_number": 0}])  # fmt: skip
+
+
+async def _respond(request: Request, req: ResponsesRequest, served: ServedModel) -> Response:
     settings = server_settings(request)
     state = responses_state(request.app)
-    req = validate(ResponsesRequest, await read_json(request))
-    if req.model is not None:
-        served.check_model(req.model)
     check_chat(served, param="input")
     history = state.store.history(req.previous_response_id) if req.previous_response_id else []
     adapted = response_plan(

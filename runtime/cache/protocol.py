@@ -133,6 +133,9 @@ class ArraySnapshot:
         self.floor = floor
         self._nbytes = sum(int(a.nbytes) for a in arrays)
         self.close_count = 0
+        # where the same state also lives (the prefix cache's disk tier sets it on what it
+        # reads back), so paging this snapshot out again needs no second write
+        self.source: Snapshot | None = None
 
     @property
     def arrays(self) -> tuple[mx.array, ...]:
@@ -151,6 +154,7 @@ class ArraySnapshot:
     def close(self) -> None:
         self.close_count += 1
         self._arrays = None
+        self.source = None
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self._nbytes}B"

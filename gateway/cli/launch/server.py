@@ -81,7 +81,8 @@ def parse_models(body: bytes) -> Served:
     except (ValueError, KeyError, IndexError, TypeError):
         raise LaunchError(f"GET /v1/models gave no model: {body[:200]!r}") from None
     aliases = [a for a in card.get("aliases") or () if isinstance(a, str)]
-    aliases += [str(c["id"]) for c in data if isinstance(c, dict) and c.get("id") != model]
+    # the cards of the model's aliases; a server with several models lists the others too
+    aliases += [str(c["id"]) for c in data if isinstance(c, dict) and c.get("alias_of") == model]
     caps = card.get("capabilities")
     return Served(
         model=model,

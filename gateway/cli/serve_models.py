@@ -1,0 +1,224 @@
+"""The models `mlx-gateway serve` is given: `--model` (repeatable) or a TOML file
+(`--config`), each turned into a registry entry that loads on demand.
+
+A config file lists `[[models]]` tables:
+
+    [[models]]
+    source = "qwen2.5-coder-0.5b"      # alias, path or Hugging Face id, as --model takes
+    id = "coder"                       # the name clients use (default: as --model names it)
+    aliases = ["gpt-4o-mini"]          # more names it answers to
+    template_family = "qwen2.5"        # a built-in renderer instead of its own template
+    parser = "hermes"                  # an output parser instead of the detected one
+    context_length = 16384             # tokens (default: the model's own)
+    sampling = { temperature = 0.2 }   # defaults for fields a request leaves out
+
+The first model is the default (for requests that name none). A relative path is read
+from the file's folder. Every problem in the file is one CliError naming the file, the
+model and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway.cli.errors import CliError
+from gateway.core.model_memory import weight_file_bytes
+from gateway.core.models_registry import ModelSpec
+from gateway.core.served import ServedModel
+from gateway.core.serving import _SAMPLING, EngineSettings
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+log = logging.getLogger(__name__)
+
+Resolve = Callable[[str], tuple[Path, str]]  # a model name -> (its path, its default id)
+
+_KEYS = ("source", "id", "aliases", "template_family", "parser", "context_length", "sampling")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One model to serve, as the command line or the config file gives it."""
+
+    source: str
+    id: str | None = None
+    aliases: frozenset[str] = frozenset()
+    template_family: str | None = None
+    parser: str | None = None
+    context_length: int | None = None
+    sampling: Mapping[str, float] = field(default_factory=dict)
+
+
+def from_flags(
+    models: Sequence[str], model_id: str | None, aliases: frozenset[str]
+) -> list[ModelConfig]:
+    """`--model` given once or more; `--model-id` and `--model-alias` name the first."""
+    if model_id is not None and len(models) > 1:
+        raise CliError(
+            "--model-id names one model; with several --model, name each in a --config file"
+        )
+    first, *rest = models
+    return [ModelConfig(first, model_id, aliases), *(ModelConfig(m) for m in rest)]
+
+
+def read_config(path: Path) -> list[ModelConfig]:
+    try:
+        data = tomllib.loads(path.expanduser().read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CliError(f"cannot read --config {path}: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise CliError(f"--config {path} is not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - {"models"})
+    if unknown:
+        raise CliError(f"--config {path}: unknown key {unknown[0]!r} (only [[models]] tables)")
+    tables = data.get("models")
+    if not isinstance(tables, list) or not tables:
+        raise CliError(f"--config {path} lists no models: add a [[models]] table with a source")
+    return [_model(path, i, table) for i, table in enumerate(tables)]
+
+
+def _beside(config: Path, source: str) -> str:
+    """A relative path is read from the config file's folder when it exists there."""
+    candidate = config.expanduser().parent / source
+    if not Path(source).expanduser().is_absolute() and candidate.exists():
+        return str(candidate.resolve())
+    return source
+
+
+def _model(path: Path, index: int, table: Any) -> ModelConfig:
+    where = f"--config {path}: models[{index}]"
+    if not isinstance(table, dict):
+        raise CliError(f"{where} must be a table")
+    unknown = sorted(set(table) - set(_KEYS))
+    if unknown:
+        raise CliError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(_KEYS)})")
+    source = table.get("source")
+    if not isinstance(source, str) or not source.strip():
+        raise CliError(f"{where} needs a source (an alias, a path or a Hugging Face repo id)")
+    aliases = table.get("aliases", [])
+    if isinstance(aliases, str):
+        aliases = [aliases]
+    if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
+        raise CliError(f"{where}.aliases must be a list of names")
+    context = table.get("context_length")
+    if context is not None and (isinstance(context, bool) or not isinstance(context, int)):
+        raise CliError(f"{where}.context_length must be a whole number of tokens")
+    if context is not None and context < 2:
+        raise CliError(f"{where}.context_length must be at least 2")
+    return ModelConfig(
+        source=_beside(path, source.strip()),
+        id=_text(table, "id", where),
+        aliases=frozenset(aliases),
+        template_family=_text(table, "template_family", where),
+        parser=_text(table, "parser", where),
+        context_length=context,
+        sampling=_sampling(table.get("sampling", {}), where),
+    )
+
+
+def _text(table: Mapping[str, Any], key: str, where: str) -> str | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise CliError(f"{where}.{key} must be a non-empty string")
+    return value.strip()
+
+
+def _sampling(table: Any, where: str) -> dict[str, float]:
+    if not isinstance(table, dict):
+        raise CliError(f"{where}.sampling must be a table, e.g. {{ temperature = 0.7 }}")
+    out: dict[str, float] = {}
+    for name, value in table.items():
+        valid = _SAMPLING.get(name)
+        if valid is None:
+            raise CliError(
+                f"{where}.sampling: unknown field {name!r} (known: {', '.join(_SAMPLING)})"
+            )
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or not valid(float(value)):
+            raise CliError(f"{where}.sampling.{name}: {value!r} is out of range")
+        out[name] = float(value)
+    return out
+
+
+def check_names(configs: Sequence[ModelConfig]) -> None:
+    """Renderer and parser names exist (a typo fails at startup, not at first load)."""
+    import parsers
+    import templates
+
+    families = sorted(templates.builtin_families())
+    for cfg in configs:
+        if cfg.parser and cfg.parser not in parsers.names():
+            raise CliError(
+                f"{cfg.source}: unknown parser {cfg.parser!r}; known: {', '.join(parsers.names())}"
+            )
+        if cfg.template_family and cfg.template_family not in families:
+            raise CliError(
+                f"{cfg.source}: unknown template_family {cfg.template_family!r}; known: "
+                f"{', '.join(families)}"
+            )
+
+
+def model_specs(
+    configs: Sequence[ModelConfig], settings: EngineSettings, resolve: Resolve
+) -> list[ModelSpec]:
+    """Resolve every source (an alias or repo id not yet present is downloaded now, so a
+    bad name fails at startup) and make each model's registry entry."""
+    check_names(configs)
+    specs: list[ModelSpec] = []
+    for cfg in configs:
+        path, default_id = resolve(cfg.source)
+        model_id = cfg.id or default_id
+        own = dataclasses.replace(
+            settings,
+            template_family=cfg.template_family or settings.template_family,
+            parser=cfg.parser or settings.parser,
+        )
+        specs.append(
+            ModelSpec(
+                id=model_id,
+                build=_builder(path, model_id, cfg, own),
+                aliases=cfg.aliases - {model_id},
+                source=str(path),
+                weight_bytes=weight_file_bytes(path),
+            )
+        )
+    return specs
+
+
+def _builder(
+    path: Path, model_id: str, cfg: ModelConfig, settings: EngineSettings
+) -> Callable[[], ServedModel]:
+    def build() -> ServedModel:
+        from gateway.core.serving import build_served
+        from runtime.loader import load
+
+        loaded = load(path)
+        if cfg.context_length is not None:
+            if cfg.context_length > loaded.context_length:
+                log.warning(
+                    "%s: context_length %d is beyond the model's own %d",
+                    model_id,
+                    cfg.context_length,
+                    loaded.context_length,
+                )
+            loaded = dataclasses.replace(loaded, context_length=cfg.context_length)
+        served = build_served(
+            path, model_id=model_id, aliases=cfg.aliases, settings=settings, loaded=loaded
+        )
+        if cfg.sampling:
+            served.sampling_defaults = {**served.sampling_defaults, **cfg.sampling}
+        return served
+
+    return build

@@ -1,0 +1,84 @@
+"""How much memory a model takes and how to give it back: the estimate from its weight
+files before it loads, the measured size of its arrays after, the server's default
+budget, and the release after an unload."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from gateway.core.served import ServedModel
+
+log = logging.getLogger(__name__)
+
+BUDGET_SHARE = 0.75  # of physical memory, for weights of loaded models
+
+
+def physical_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # no sysconf (Windows): assume 16 GiB
+        return 16 * 1024**3
+
+
+def default_memory_budget() -> int:
+    """About three quarters of RAM: the rest is for the KV and prefix caches, the OS."""
+    return int(physical_memory() * BUDGET_SHARE)
+
+
+def weight_file_bytes(path: Path) -> int:
+    """The size of a model's weight files: the estimate of its memory before it loads
+    (a quantized file dequantized on a CPU takes more; the measured size replaces it)."""
+    if path.is_file():
+        return path.stat().st_size
+    if not path.is_dir():
+        return 0
+    weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".gguf", ".npz")]
+    files = weights or [p for p in path.iterdir() if p.is_file()]
+    return sum(p.stat().st_size for p in files if p.is_file())
+
+
+def weights_in_memory(served: ServedModel) -> int | None:
+    """The bytes of the loaded parameters (read on the loading thread: metadata only)."""
+    try:
+        from mlx.utils import tree_flatten
+
+        leaves: dict[str, Any] = {}
+        tree_flatten(served.loaded.model.parameters(), destination=leaves)
+        return sum(int(v.nbytes) for v in leaves.values() if hasattr(v, "nbytes"))
+    except Exception:  # a stand-in model in tests, or an unexpected tree: keep the estimate
+        log.debug("could not measure %s's weights", served.id, exc_info=True)
+        return None
+
+
+def release_memory() -> None:
+    """After the last reference to a model is dropped: collect what only the cycle
+    collector finds, hand MLX's cached buffers back, and have glibc return the freed
+    heap to the system. Without the trim the CPU backend's freed weights stay in the
+    process (in the malloc arenas of the threads that loaded them), and every reload
+    grew it by a model's size."""
+    gc.collect()
+    try:
+        import mlx.core as mx
+
+        mx.clear_cache()
+    except ImportError:
+        pass
+    _malloc_trim()
+
+
+def _malloc_trim() -> None:
+    if not sys.platform.startswith("linux"):
+        return  # macOS's allocator returns large blocks itself; Metal buffers are not malloc's
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl)
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
