@@ -299,28 +299,53 @@ def _logged_reuse(pattern: str | None, reader: _LogReader) -> int | None:
     return int(hits[-1]) if hits else 0
 
 
-def replay(base: str, spec: ServerSpec, work: Workload, acct: Accountant, log: Path) -> list[TurnResult]:
-    reader = _LogReader(log)
-    # unrelated to the replay (no shared system prompt) but long enough to run prefill once
+@dataclass
+class Transcript:
+    """The conversations so far and every prompt (and prompt + reply) a server has seen:
+    a replay may go on against a restarted server (bench/restart_replay.py)."""
+
+    convs: list[list[dict[str, str]]]
+    history: list[list[int]]
+
+    @classmethod
+    def start(cls, work: Workload) -> Transcript:
+        return cls([[{"role": "system", "content": work.system}] for _ in range(work.conversations)], [])
+
+
+def warm_up(base: str, spec: ServerSpec, work: Workload, acct: Accountant, reader: _LogReader) -> list[int]:
+    """One request unrelated to the replay (no shared system prompt) but long enough to
+    run prefill once; the rendered conversation, for the reuse accounting."""
     warm = [{"role": "user", "content": "Count these words: " + "apple pear plum " * work.warmup_words}]
     reply = chat(base, spec.model, warm, 4)
-    history = [acct.render([*warm, {"role": "assistant", "content": reply.text}], generation_prompt=False)]
     reader.new_text()
-    convs: list[list[dict[str, str]]] = [
-        [{"role": "system", "content": work.system}] for _ in range(work.conversations)
-    ]
+    return acct.render([*warm, {"role": "assistant", "content": reply.text}], generation_prompt=False)
+
+
+def replay(
+    base: str,
+    spec: ServerSpec,
+    work: Workload,
+    acct: Accountant,
+    log: Path,
+    pairs: Sequence[tuple[int, int]] | None = None,
+    transcript: Transcript | None = None,
+) -> list[TurnResult]:
+    """Run the (conversation, turn) `pairs` (all of them by default) against `base`,
+    going on from `transcript` (a fresh one by default)."""
+    reader = _LogReader(log)
+    state = transcript or Transcript.start(work)
+    state.history.append(warm_up(base, spec, work, acct, reader))
     results = []
-    for c, t in work.order():
-        messages = [*convs[c], {"role": "user", "content": work.user_message(c, t)}]
+    for c, t in work.order() if pairs is None else pairs:
+        messages = [*state.convs[c], {"role": "user", "content": work.user_message(c, t)}]
         prompt = acct.render(messages, generation_prompt=True)
-        can_reuse = reusable(prompt, history)
+        can_reuse = reusable(prompt, state.history)
         reply = chat(base, spec.model, messages, work.max_tokens)
         reused = reply.cached_tokens
         if reused is None:
             reused = _logged_reuse(spec.log_reuse, reader)
-        answer = {"role": "assistant", "content": reply.text}
-        convs[c] = [*messages, answer]
-        history += [prompt, acct.render(convs[c], generation_prompt=False)]
+        state.convs[c] = [*messages, {"role": "assistant", "content": reply.text}]
+        state.history += [prompt, acct.render(state.convs[c], generation_prompt=False)]
         n_prompt = reply.prompt_tokens if reply.prompt_tokens is not None else len(prompt)
         results.append(TurnResult(c, t, reply.ttft, n_prompt, can_reuse, reused))
     return results

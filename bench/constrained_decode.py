@@ -101,8 +101,14 @@ def _tool_constraint(loaded: LoadedModel) -> tuple[Constraint, str]:
         for n, s in client_tool_schemas().items()
         if n.startswith("opencode_first_request_chat:")
     ]
+    if not tools:
+        raise SystemExit(
+            "no captured opencode request: set MLX_GATEWAY_CLIENT_FIXTURES to the folder "
+            "of client captures (../shared/fixtures/clients)"
+        )
     grammar = call_grammar("hermes", tools, tag=marker_tag(loaded.tokenizer))
-    assert grammar is not None
+    if grammar is None:
+        raise SystemExit("the opencode capture's tools give no hermes call grammar")
     return Constraint(grammar.after_opener, name="tools"), grammar.opener
 
 

@@ -14,7 +14,8 @@ tokens. Every other node is paged out: it holds snapshots. A request:
 3. `end(lease, tokens)` records the tokens whose state the caches hold (prompt and output,
    also for a cancelled request); `discard(lease)` drops the live state after an error.
 
-Snapshot bytes are kept within `budget_bytes` by evicting the least recently used nodes
+Snapshot bytes are kept within `budget_bytes` (lowered by `set_limit` while the running
+batch needs the memory) by evicting the least recently used nodes
 (then the deepest, then the largest), merging chains a removal leaves single-child. With
 a disk tier (runtime/prefix_disk.py) eviction moves a node's snapshots to disk instead:
 the node stays, its layers hold disk snapshots the planner treats like any other, and
@@ -84,6 +85,7 @@ class PrefixCache(Generic[C]):
             raise ValueError("budget_bytes >= 0, snapshot_interval >= 1, tail_keep >= 1")
         self._make = make_caches
         self.budget_bytes = budget_bytes
+        self.limit_bytes = budget_bytes  # lowered while the running batch needs memory
         self.snapshot_interval = snapshot_interval
         self.tail_keep = tail_keep
         self._caches: list[C] = list(make_caches()) if budget_bytes > 0 else []
@@ -397,10 +399,20 @@ class PrefixCache(Generic[C]):
 
     # -- eviction --
 
+    def set_limit(self, limit: int) -> None:
+        """Hold at most `limit` bytes in memory (never more than the budget): the
+        running batch shares one memory bound with the trie and comes first. Lowering it
+        evicts (to the disk tier when there is one) at once."""
+        limit = min(self.budget_bytes, max(0, limit))
+        lower = limit < self.limit_bytes
+        self.limit_bytes = limit
+        if lower and self.enabled and self._trie.paged_bytes > limit:
+            self._enforce_budget()
+
     def _enforce_budget(self) -> None:
         active = {id(n) for n in self._path}
         pinned: set[int] | None = None  # found only when something must go
-        while self._trie.paged_bytes > self.budget_bytes:
+        while self._trie.paged_bytes > self.limit_bytes:
             if pinned is None:
                 pinned = self._pins.nodes(self._trie)
             victim = self._pick_victim(active, pinned)
@@ -410,8 +422,8 @@ class PrefixCache(Generic[C]):
                 # memory safety wins over a client's pin, but say so
                 log.warning(
                     "prefix cache: evicting pinned state at tokens [%d, %d): the pinned "
-                    "prompts alone exceed --prefix-cache-bytes (%d bytes)",
-                    victim.start, victim.end, self.budget_bytes,
+                    "prompts alone exceed the memory left to the trie (%d bytes)",
+                    victim.start, victim.end, self.limit_bytes,
                 )  # fmt: skip
                 self._counts["pinned_evictions"] += 1
             self._evict(victim, active)
@@ -549,6 +561,7 @@ class PrefixCache(Generic[C]):
             "snapshots": len(held) - on_disk,
             "paged_bytes": self._trie.paged_bytes,
             "budget_bytes": self.budget_bytes,
+            "limit_bytes": self.limit_bytes,
             "live_tokens": self._path[-1].end,
             "pins": len(self._pins),
             **({} if self._disk is None else {"disk_snapshots": on_disk, **self._disk.stats()}),
@@ -580,8 +593,8 @@ class PrefixCache(Generic[C]):
             raise AssertionError(f"live caches at {offsets}, live path ends at {live}")
         if any(o < live for o in offsets):
             raise AssertionError(f"live caches at {offsets} behind the live path end {live}")
-        if self._trie.paged_bytes > self.budget_bytes:
-            raise AssertionError(f"{self._trie.paged_bytes} bytes held, budget {self.budget_bytes}")
+        if self._trie.paged_bytes > self.limit_bytes:
+            raise AssertionError(f"{self._trie.paged_bytes} bytes held, limit {self.limit_bytes}")
         if self._disk is not None:
             self._disk.verify()
 

@@ -367,7 +367,9 @@ class DiskTier:
             arrays = {i: pending[i] for i in layers}
         else:
             path = self.directory / (entry.name + SUFFIX)
+            began = time.perf_counter()
             arrays = read_layers(path, self.identity, entry.header, layers)
+            self._counts["load_us"] += round((time.perf_counter() - began) * 1e6)
             self._counts["loaded_bytes"] += sum(int(a.nbytes) for g in arrays.values() for a in g)
         self._counts["loads"] += 1
         made: list[ArraySnapshot] = []
@@ -503,7 +505,16 @@ class DiskTier:
             raise AssertionError("disk byte count disagrees with the entries")
 
 
-_COUNTS = ("writes", "loads", "loaded_bytes", "evictions", "dropped", "too_big", "bad_files")
+_COUNTS = (
+    "writes",
+    "loads",
+    "loaded_bytes",
+    "load_us",
+    "evictions",
+    "dropped",
+    "too_big",
+    "bad_files",
+)
 
 
 def _same(disk: DiskSnapshot, snap: Snapshot) -> bool:

@@ -48,6 +48,12 @@ def default_prefix_cache_bytes() -> int:
     return int(total // 5)
 
 
+def default_cache_memory_bytes() -> int:
+    """Two fifths of physical memory for the batch and the trie together (the server
+    sets it from its memory budget: gateway/core/model_memory.py)."""
+    return 2 * default_prefix_cache_bytes()
+
+
 DEFAULT_PREFIX_CACHE_DISK_BYTES = 8 * 1024**3
 
 
@@ -61,8 +67,9 @@ class RunnerSettings:
     prefix_cache_disk_bytes: int = DEFAULT_PREFIX_CACHE_DISK_BYTES
     snapshot_interval: int = 1024
     max_batch: int = 8  # sequences decoding together; 1 serves one request at a time
-    # the running batch's caches stay under this; a request that would not fit waits
-    batch_memory_bytes: int = field(default_factory=default_prefix_cache_bytes)
+    # the running batch's caches and the prefix trie's snapshots in memory share this:
+    # a request whose batch would not fit waits, the trie gives way to the batch
+    cache_memory_bytes: int = field(default_factory=default_cache_memory_bytes)
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,7 @@ class ModelRunner:
             snapshot_interval=self.settings.snapshot_interval,
             disk=_disk_tier(loaded, self.settings),
         )
+        self.prefix.set_limit(self.settings.cache_memory_bytes)
         # held while a request runs, so a dump from another thread sees a settled trie
         self.lock = threading.Lock()
         self._stream: Any = None
@@ -97,7 +105,7 @@ class ModelRunner:
             make_caches=loaded.model.make_caches,
             max_batch=self.settings.max_batch,
             prefill_chunk=self.settings.prefill_chunk,
-            memory_bytes=self.settings.batch_memory_bytes,
+            memory_bytes=self.settings.cache_memory_bytes,
             on_begin=_report_logger(loaded.tokenizer),  # not a bound method: no cycle
         )
 

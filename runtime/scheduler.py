@@ -167,7 +167,9 @@ class Scheduler:
         self.max_batch = max(1, max_batch)
         self.prefill_chunk = max(1, prefill_chunk)
         self._make = make_caches
-        self.memory_bytes = memory_bytes  # the batch's caches stay under this (0: no bound)
+        # the batch's caches and the prefix trie's snapshots in memory share this (0: no
+        # bound); the batch comes first, the trie gives way (to its disk tier, if any)
+        self.memory_bytes = memory_bytes
         self._row_bytes = (0, 0)  # (per token, per row) as measured on the batch
         self._on_begin = on_begin  # the runner logs the lease's cache report
         self._batched = batchable(make_caches())
@@ -213,7 +215,22 @@ class Scheduler:
         if not self._queue or self._queue[0].prefill is None:
             self._write_back()
         self._count()
+        self._share_memory()
         return done
+
+    def _share_memory(self) -> None:
+        """Leave the trie what the running batch, at its longest, does not need."""
+        if self.memory_bytes:
+            self.prefix.set_limit(self.memory_bytes - self._projected(self._rows))
+
+    def _projected(self, rows: list[_Seq]) -> int:
+        """The batch caches' bytes with every row at its longest (prompt + max_tokens;
+        rows are padded to the longest)."""
+        per_token, per_row = self._row_bytes
+        if not rows:
+            return 0
+        longest = max(len(r.out.progress.prompt) + r.out.max_tokens for r in rows)
+        return len(rows) * (longest * per_token + per_row)
 
     def abort(
         self, reason: FinishReason, error: str | None = None
@@ -405,15 +422,12 @@ class Scheduler:
             self.stats.prefill_chunk_tokens = tokens
 
     def _fits(self, seq: _Seq) -> bool:
-        """Whether the batch's caches, with `seq` joined and every row at its longest
-        (prompt + max_tokens; rows are padded to the longest), stay within the budget.
-        Alone, a sequence always runs: the context length bounds it."""
-        per_token, per_row = self._row_bytes
-        if not self._rows or not self.memory_bytes or not per_token:
+        """Whether the batch's caches, with `seq` joined and every row at its longest,
+        stay within the budget (the trie gives way to them). Alone, a sequence always
+        runs: the context length bounds it."""
+        if not self._rows or not self.memory_bytes or not self._row_bytes[0]:
             return True
-        longest = max(len(r.out.progress.prompt) + r.out.max_tokens for r in [*self._rows, seq])
-        rows = len(self._rows) + 1
-        return rows * (longest * per_token + per_row) <= self.memory_bytes
+        return self._projected([*self._rows, seq]) <= self.memory_bytes
 
     def _pause(self, seq: _Seq, at: int) -> None:
         assert seq.prefill is not None

@@ -28,7 +28,13 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from gateway.cli import main as cli  # noqa: E402
 from gateway.cli.errors import CliError  # noqa: E402
 from gateway.cli.serve_models import ModelConfig, from_flags, read_config  # noqa: E402
-from gateway.core.model_memory import weight_file_bytes  # noqa: E402
+from gateway.core.model_memory import (  # noqa: E402
+    MIN_CACHE_BYTES,
+    cache_budget,
+    physical_memory,
+    served_bytes,
+    weight_file_bytes,
+)
 from gateway.core.models_registry import ModelRegistry, ModelSpec, ModelState  # noqa: E402
 from gateway.core.served import ServedModel  # noqa: E402
 from gateway.core.serving import EngineSettings, build_served  # noqa: E402
@@ -49,6 +55,9 @@ CHAT, MESSAGES = "/v1/chat/completions", "/v1/messages"
 HELLO = [{"role": "user", "content": "Name three colors."}]
 FAST = ServerSettings(keepalive_seconds=0.1)  # keepalives show within a slow load
 WAIT_S = 60.0
+# each model's cache memory (batch and prefix trie): small beside its weights, so the
+# budgets below are set by the weights as the tests intend
+CACHE_BYTES = 1024**2
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +87,16 @@ class Loads:
             time.sleep(self.slow.get(model_id, 0.0))
             if model_id in self.fail:
                 raise RuntimeError("the weights are unreadable")
-            return build_served(folder, model_id=model_id, aliases=aliases)
+            settings = EngineSettings(cache_memory_bytes=CACHE_BYTES)
+            return build_served(folder, model_id=model_id, aliases=aliases, settings=settings)
 
         return ModelSpec(
-            model_id, build, aliases, str(folder), weight_bytes=weight_file_bytes(folder)
+            model_id,
+            build,
+            aliases,
+            str(folder),
+            weight_bytes=weight_file_bytes(folder),
+            cache_bytes=CACHE_BYTES,
         )
 
 
@@ -434,10 +449,19 @@ def test_a_toml_config_lists_the_models(folders: dict[str, Path], tmp_path: Path
     assert coder.names == ("coder", "claude-haiku-4-5", "extra", "gpt-4o-mini")
     assert second.id == B and second.source == str(folders[B])
     assert registry.keep_alive == 7 and registry.memory_budget == 2 * 1024**3
+    # one budget: two models, so each one's caches get what its weights leave, at most
+    # a quarter of RAM
+    weights = weight_file_bytes(folders[A])
+    quarter = int(physical_memory() * 0.25)
+    assert coder.cache_bytes == min(2 * 1024**3 - weights, quarter)
     served = coder.build()
     try:
         assert served.context_length == 4096
         assert served.sampling_defaults == {"temperature": 0.2, "top_k": 20.0}
+        assert served.runner is not None
+        assert served.runner.settings.cache_memory_bytes == coder.cache_bytes
+        assert served.runner.scheduler.memory_bytes == coder.cache_bytes
+        assert served.runner.prefix.limit_bytes <= coder.cache_bytes
     finally:
         served.engine.stop()
     other = second.build()
@@ -449,6 +473,30 @@ def test_a_toml_config_lists_the_models(folders: dict[str, Path], tmp_path: Path
         ids = [c["id"] for c in httpx.get(f"{url}/v1/models", timeout=WAIT_S).json()["data"]]
         assert ids == ["coder", "claude-haiku-4-5", "extra", "gpt-4o-mini", B]
         assert chat_body(post(url, CHAT, _chat("gpt-4o-mini"))).model == "coder"
+
+
+def test_one_model_gets_all_the_budget_leaves_for_its_caches(folders: dict[str, Path]) -> None:
+    weights = weight_file_bytes(folders[A])
+    args = cli._parser().parse_args(["serve", "--model", str(folders[A]), "--memory-budget", "1G"])
+    (spec,) = cli._registry(args, EngineSettings()).specs
+    assert spec.cache_bytes == 1024**3 - weights
+    # a budget the weights alone fill still leaves the caches their floor
+    assert cache_budget(weights, weights, 1) == MIN_CACHE_BYTES
+    # the measured weights bound it too: a model bigger than its file gets less
+    served = build_served(
+        folders[A],
+        model_id=A,
+        settings=EngineSettings(memory_budget=weights + 3 * MIN_CACHE_BYTES,
+                                cache_memory_bytes=1024**3),
+    )  # fmt: skip
+    try:
+        assert served.runner is not None
+        measured = served_bytes(served)
+        assert measured is not None
+        cache = served.runner.settings.cache_memory_bytes
+        assert cache < 1024**3 and measured - cache > 0.9 * weights
+    finally:
+        served.engine.stop()
 
 
 def test_a_relative_source_is_read_beside_the_config(folders: dict[str, Path]) -> None:

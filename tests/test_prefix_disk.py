@@ -616,3 +616,26 @@ def test_engine_spills_restores_and_restarts(
     assert [t for t, _ in restarted] == tokens and [c for _, c in restarted] == want
     assert [c["disk_writes"] for c in counts_each] == [0, 0, 0]  # written only at close
     assert all(c["disk_loads"] > 0 for c in counts_each[1:])
+
+
+@pytest.mark.parametrize("kind", ["plain", "recurrent"])
+def test_a_lowered_limit_spills_to_disk_and_the_state_comes_back(
+    kind: str, models: dict[str, HybridModel], oracles: dict[str, Oracle], tiers: Tiers,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """The running batch lowers the trie's limit (runtime/scheduler.py): what no longer
+    fits goes to the disk tier at once, and later requests still reuse it."""
+    model, oracle = models[kind], oracles[kind]
+    want = _session(_memory(model), model, oracle)
+    pc, _ = tiers.cache(model, tmp_path, budget=BIG)
+    first = run_request(pc, model, oracle, A, 3)
+    run_request(pc, model, oracle, B, 3)
+    assert pc.stats()["paged_bytes"] > 0
+    pc.set_limit(0)
+    stats = pc.stats()
+    assert stats["paged_bytes"] == 0 and stats["limit_bytes"] == 0 and stats["disk_snapshots"] > 0
+    pc.set_limit(BIG)
+    again = run_request(pc, model, oracle, [*A, *first.generated, 30, 31], 3)
+    assert [first.reused, again.reused] == want[:2]
+    assert pc.stats()["disk_loads"] > 0
+    pc.verify()

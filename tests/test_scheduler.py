@@ -78,7 +78,7 @@ def _engine(folder: Path, *, max_batch: int, cache: bool, memory: int = 1 << 30)
         max_batch=max_batch,
         prefix_cache_bytes=256 * 1024**2 if cache else 0,
         snapshot_interval=8,
-        batch_memory_bytes=memory,
+        cache_memory_bytes=memory,
     )
     engine = Engine(ModelRunner(load(folder), settings), max_queue=64)
     engine.start()
@@ -301,3 +301,34 @@ def test_prefill_chunks_ride_on_decode_steps(name: str, folders: Callable[[str],
         firsts = [expected[i][:1] + t for i, (t, _) in enumerate(results)]
         assert firsts == expected[:2]
         assert [t for t, _ in later] == expected[2:]
+
+
+def test_the_trie_gives_way_to_the_running_batch(folders: Callable[[str], Path]) -> None:
+    """One memory bound for the batch and the prefix trie: while rows run, the trie may
+    hold only what their caches (at their longest) leave, and it holds no more; once they
+    end it may grow back to its own budget. The tokens are those of each request alone."""
+    folder = folders("llama")
+    requests = [_request(_prompt(40, 70 + i, tiny_models.VOCAB), 30) for i in range(3)]
+    expected = _alone(folder, requests)
+    engine = _engine(folder, max_batch=8, cache=True, memory=256 * 1024)
+    runner = engine._runner
+    assert isinstance(runner, ModelRunner)
+    prefix, scheduler = runner.prefix, runner.scheduler
+    seen: list[tuple[int, int]] = []  # (limit, bytes held) after every change of limit
+    set_limit = prefix.set_limit
+
+    def recording(limit: int) -> None:
+        set_limit(limit)
+        seen.append((prefix.limit_bytes, prefix.stats()["paged_bytes"]))
+
+    prefix.set_limit = recording  # type: ignore[method-assign]
+    try:
+        got = _together(engine, requests)
+    finally:
+        engine.stop()
+    assert [t for t, _ in got] == expected
+    assert scheduler.stats.max_batch_seen > 1
+    assert all(held <= limit for limit, held in seen)
+    lowest = min(limit for limit, _ in seen)
+    assert lowest < prefix.budget_bytes  # the running rows took their share
+    assert seen[-1][0] == min(prefix.budget_bytes, 256 * 1024)  # and gave it back

@@ -253,8 +253,10 @@ def _models_args(p: argparse.ArgumentParser) -> None:
         "--memory-budget",
         type=parse_bytes,
         default=_env_bytes("MEMORY_BUDGET", None),
-        help="memory for loaded models' weights: a model that would not fit first unloads "
-        "the least recently used idle ones (default: three quarters of RAM)",
+        help="memory for loaded models' weights and caches (each model's running batch "
+        "and prefix cache share what its weights leave; with several models at most a "
+        "quarter of RAM each): a model that would not fit first unloads the least recently "
+        "used idle ones (default: three quarters of RAM)",
     )
 
 
@@ -427,6 +429,7 @@ def _registry(args: argparse.Namespace, settings: EngineSettings) -> ModelRegist
     import dataclasses
 
     from gateway.cli import serve_models
+    from gateway.core.model_memory import default_memory_budget
     from gateway.core.models_registry import ModelRegistry
 
     aliases = model_aliases(args)  # for the default model, however the models are given
@@ -441,9 +444,10 @@ def _registry(args: argparse.Namespace, settings: EngineSettings) -> ModelRegist
     else:
         models = args.model or [_env("MODEL", DEFAULT_MODEL)]
         configs = serve_models.from_flags(models, args.model_id, aliases)
-    specs = serve_models.model_specs(configs, settings, _resolve)
+    budget = args.memory_budget or default_memory_budget()
+    specs = serve_models.model_specs(configs, settings, _resolve, budget)
     try:
-        return ModelRegistry(specs, keep_alive=args.keep_alive, memory_budget=args.memory_budget)
+        return ModelRegistry(specs, keep_alive=args.keep_alive, memory_budget=budget)
     except ValueError as exc:  # two models answering to one name
         raise CliError(str(exc)) from None
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.cli.errors import CliError
-from gateway.core.model_memory import weight_file_bytes
+from gateway.core.model_memory import cache_budget, weight_file_bytes
 from gateway.core.models_registry import ModelSpec
 from gateway.core.served import ServedModel
 from gateway.core.serving import _SAMPLING, EngineSettings
@@ -171,19 +171,24 @@ def check_names(configs: Sequence[ModelConfig]) -> None:
 
 
 def model_specs(
-    configs: Sequence[ModelConfig], settings: EngineSettings, resolve: Resolve
+    configs: Sequence[ModelConfig], settings: EngineSettings, resolve: Resolve, budget: int
 ) -> list[ModelSpec]:
     """Resolve every source (an alias or repo id not yet present is downloaded now, so a
-    bad name fails at startup) and make each model's registry entry."""
+    bad name fails at startup) and make each model's registry entry, with its share of
+    the memory `budget` for caches."""
     check_names(configs)
     specs: list[ModelSpec] = []
     for cfg in configs:
         path, default_id = resolve(cfg.source)
         model_id = cfg.id or default_id
+        weights = weight_file_bytes(path)
+        cache = cache_budget(budget, weights, len(configs))
         own = dataclasses.replace(
             settings,
             template_family=cfg.template_family or settings.template_family,
             parser=cfg.parser or settings.parser,
+            memory_budget=budget,
+            cache_memory_bytes=cache,
         )
         specs.append(
             ModelSpec(
@@ -191,7 +196,8 @@ def model_specs(
                 build=_builder(path, model_id, cfg, own),
                 aliases=cfg.aliases - {model_id},
                 source=str(path),
-                weight_bytes=weight_file_bytes(path),
+                weight_bytes=weights,
+                cache_bytes=cache,
             )
         )
     return specs

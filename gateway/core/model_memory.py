@@ -1,6 +1,11 @@
 """How much memory a model takes and how to give it back: the estimate from its weight
-files before it loads, the measured size of its arrays after, the server's default
-budget, and the release after an unload."""
+files before it loads, the measured size of its arrays after, the share of the budget its
+caches get, the server's default budget, and the release after an unload.
+
+One budget (--memory-budget) covers every loaded model's weights and caches: a model
+counts as its weights plus its cache memory, the bound its running batch and its prefix
+trie share (runtime/scheduler.py gives the batch priority; the trie gives way, to its
+disk tier when it has one)."""
 
 from __future__ import annotations
 
@@ -16,7 +21,9 @@ from gateway.core.served import ServedModel
 
 log = logging.getLogger(__name__)
 
-BUDGET_SHARE = 0.75  # of physical memory, for weights of loaded models
+BUDGET_SHARE = 0.75  # of physical memory, for loaded models' weights and caches
+CACHE_SHARE = 0.25  # of physical memory at most, per model, when several are configured
+MIN_CACHE_BYTES = 256 * 1024**2  # a model's caches get at least this, whatever is left
 
 
 def physical_memory() -> int:
@@ -27,8 +34,18 @@ def physical_memory() -> int:
 
 
 def default_memory_budget() -> int:
-    """About three quarters of RAM: the rest is for the KV and prefix caches, the OS."""
+    """About three quarters of RAM: the rest is for the process itself and the OS."""
     return int(physical_memory() * BUDGET_SHARE)
+
+
+def cache_budget(budget: int, weights: int, models: int) -> int:
+    """A model's cache memory (its running batch and its prefix trie in memory): with
+    one model, all the budget leaves after its weights; with several, at most a quarter
+    of RAM each, so that a few fit side by side."""
+    room = budget - weights
+    if models > 1:
+        room = min(room, int(physical_memory() * CACHE_SHARE))
+    return max(MIN_CACHE_BYTES, room)
 
 
 def weight_file_bytes(path: Path) -> int:
@@ -43,17 +60,27 @@ def weight_file_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in files if p.is_file())
 
 
-def weights_in_memory(served: ServedModel) -> int | None:
-    """The bytes of the loaded parameters (read on the loading thread: metadata only)."""
+def parameter_bytes(model: Any) -> int | None:
+    """The bytes of a loaded model's parameters (metadata only: nothing is evaluated)."""
     try:
         from mlx.utils import tree_flatten
 
         leaves: dict[str, Any] = {}
-        tree_flatten(served.loaded.model.parameters(), destination=leaves)
+        tree_flatten(model.parameters(), destination=leaves)
         return sum(int(v.nbytes) for v in leaves.values() if hasattr(v, "nbytes"))
     except Exception:  # a stand-in model in tests, or an unexpected tree: keep the estimate
-        log.debug("could not measure %s's weights", served.id, exc_info=True)
+        log.debug("could not measure a model's weights", exc_info=True)
         return None
+
+
+def served_bytes(served: ServedModel) -> int | None:
+    """What a loaded model counts against the budget: its weights, measured, plus the
+    cache memory its runner was given (None when the weights cannot be measured)."""
+    weights = parameter_bytes(served.loaded.model)
+    if weights is None:
+        return None
+    settings = getattr(served.runner, "settings", None)
+    return weights + int(getattr(settings, "cache_memory_bytes", 0) or 0)
 
 
 def release_memory() -> None:

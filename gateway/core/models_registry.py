@@ -23,7 +23,7 @@ from enum import Enum
 from typing import Any
 
 from gateway.core.errors import InternalError, NotFound, Overloaded
-from gateway.core.model_memory import default_memory_budget, release_memory, weights_in_memory
+from gateway.core.model_memory import default_memory_budget, release_memory, served_bytes
 from gateway.core.served import ServedModel
 from runtime.engine import EngineState, EngineStats
 
@@ -49,7 +49,8 @@ class ModelSpec:
     build: Callable[[], ServedModel]
     aliases: frozenset[str] = frozenset()
     source: str = ""  # what its card shows before it is first loaded
-    weight_bytes: int = 0  # the memory estimate until a load measures it
+    weight_bytes: int = 0  # the weights' estimate until a load measures them
+    cache_bytes: int = 0  # the cache memory its runner gets (batch and prefix trie)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -185,7 +186,7 @@ class ModelRegistry:
             raise ValueError("configure at least one model")
         if keep_alive < 0:
             raise ValueError("keep_alive cannot be negative")
-        self._slots = [_Slot(spec, size=spec.weight_bytes) for spec in specs]
+        self._slots = [_Slot(spec, size=spec.weight_bytes + spec.cache_bytes) for spec in specs]
         self._by_name: dict[str, _Slot] = {}
         for slot in self._slots:
             for name in slot.spec.names:
@@ -416,7 +417,7 @@ class ModelRegistry:
         except BaseException as exc:
             self._load_failed(slot, exc)
             return
-        measured = weights_in_memory(served)
+        measured = served_bytes(served)
         with self._cond:
             closed, draining = self._closed, self._draining
         if closed:  # close() gave up waiting for this load
@@ -428,7 +429,7 @@ class ModelRegistry:
         self._adopt(slot, served, measured)
         self._shed(slot)
         log.info(
-            "%s loaded in %.1f s (%.0f MB of weights)",
+            "%s loaded in %.1f s (%.0f MB of weights and caches)",
             spec.id,
             time.perf_counter() - started,
             slot.size / 1e6,

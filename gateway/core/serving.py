@@ -27,6 +27,11 @@ class EngineSettings:
     prefix_cache_dir: Path | None = None
     prefix_cache_disk_bytes: int | None = None  # None = the runtime's default (8 GiB)
     snapshot_interval: int = 1024
+    # what this server's models may take, weights and caches (None: no bound here) and
+    # this model's cache memory, batch and trie (None: the runtime's default); a model
+    # whose measured weights leave less room gets less (gateway/core/model_memory.py)
+    memory_budget: int | None = None
+    cache_memory_bytes: int | None = None
     template_family: str | None = None  # force a built-in renderer
     parser: str | None = None  # force an output parser
     # the engine's watchdog fails and restarts a worker with work but no step this long
@@ -79,6 +84,9 @@ def build_served(
         runner_settings = dataclasses.replace(
             runner_settings, prefix_cache_bytes=settings.prefix_cache_bytes
         )
+    cache_memory = _cache_memory(model.model, settings)
+    if cache_memory is not None:
+        runner_settings = dataclasses.replace(runner_settings, cache_memory_bytes=cache_memory)
     if settings.prefix_cache_dir is not None:
         runner_settings = dataclasses.replace(
             runner_settings, prefix_cache_dir=model_folder(settings.prefix_cache_dir, model_id)
@@ -103,6 +111,20 @@ def build_served(
         runner=runner,
         sampling_defaults=defaults,
     )
+
+
+def _cache_memory(model: object, settings: EngineSettings) -> int | None:
+    """The model's cache memory: as configured, but no more than the budget leaves
+    after its measured weights (a quantized file dequantized on a CPU is bigger than its
+    estimate)."""
+    from gateway.core.model_memory import MIN_CACHE_BYTES, parameter_bytes
+
+    cache = settings.cache_memory_bytes
+    weights = parameter_bytes(model) if settings.memory_budget is not None else None
+    if settings.memory_budget is None or weights is None:
+        return cache
+    room = max(MIN_CACHE_BYTES, settings.memory_budget - weights)
+    return room if cache is None else min(cache, room)
 
 
 def model_folder(root: Path, model_id: str) -> Path:
