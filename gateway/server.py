@@ -9,6 +9,10 @@ says `draining`), the running ones get `grace` seconds to finish, the rest are t
 cancelled (each stream ends with its dialect's error event, not a dropped connection),
 and only then does uvicorn shut down; the process exits 0. A second signal exits at
 once.
+
+When the default model cannot load (a truncated or damaged file), uvicorn would log
+Starlette's traceback of the lifespan and exit 3; the cause is the user's to fix, so it
+becomes the CLI's one-line error instead (exit 1), the traceback at --log-level debug.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from types import FrameType
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.cli.errors import FAILED, CliError
+from gateway.core.errors import APIError
 from gateway.core.models_registry import ModelRegistry
 
 log = logging.getLogger(__name__)
@@ -102,12 +109,55 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.05)
 
 
+class StartupGuard:
+    """The app as uvicorn sees it: keeps a failed startup's exception, and hands uvicorn
+    the failure without Starlette's traceback text (which uvicorn would log)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.failure: BaseException | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+        failed = False
+
+        async def quiet(message: Message) -> None:
+            nonlocal failed
+            if message["type"] == "lifespan.startup.failed":
+                failed = True
+                message = {"type": message["type"], "message": ""}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, quiet)
+        except BaseException as exc:
+            if failed:
+                self.failure = exc
+                log.debug("startup failed", exc_info=exc)
+            raise
+
+
+def startup_error(exc: BaseException) -> str:
+    """One line for the CLI: an API error's own message (it says which model and why)."""
+    text = exc.message if isinstance(exc, APIError) else f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())
+
+
 def run_server(
     app: Starlette, *, host: str, port: int, log_level: str, grace: float = DEFAULT_GRACE_S
 ) -> int:
-    """Serve until a signal, drained as above; the process's exit status."""
+    """Serve until a signal, drained as above; the process's exit status. A startup
+    that fails (the default model does not load) is a CliError."""
+    guard = StartupGuard(app)
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(FLUSH_S)
+        guard, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(FLUSH_S)
     )
-    DrainingServer(config, app, grace).run()
+    try:
+        DrainingServer(config, app, grace).run()
+    except SystemExit:  # uvicorn's exit after a failed startup
+        if guard.failure is None:
+            raise
+        raise CliError(startup_error(guard.failure), FAILED) from None
     return 0

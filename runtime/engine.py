@@ -18,11 +18,17 @@ If the worker makes no step for `stall_seconds` while it has work, its requests 
 the same way and it is abandoned: a Python thread cannot be killed and it may be inside
 an MLX call, so no second worker starts while it runs. When its step returns it sees it
 was abandoned, resets the runner and leaves; then a fresh worker starts.
+
+`halt(reason)` ends it for good (a distributed group lost a rank: no fresh worker can
+serve): every request fails now, new ones are refused, /health shows `reason`, and a
+worker stuck in a step is abandoned. A batch runner may also offer `tick()`, which an idle
+worker calls at every poll (a distributed group's rank 0 heartbeats its followers there).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -154,6 +160,7 @@ class Engine:
         self._restarts = 0
         self._failures = 0
         self._last_failure: str | None = None
+        self._halted: str | None = None  # why the engine stopped for good (see halt)
         self._watcher: threading.Thread | None = None
         self._unwatch = threading.Event()
 
@@ -208,6 +215,24 @@ class Engine:
         with self._lock:
             if self._phase is not EngineState.STOPPED:
                 self._draining = True
+
+    def halt(self, reason: str) -> None:
+        """Fail every request now and refuse new ones for good (from any thread): the
+        runner can no longer serve, and no fresh worker would mend it (a distributed
+        group lost a rank). A worker stuck in a step is abandoned; when its step
+        returns it resets the runner and leaves."""
+        with self._lock:
+            if self._phase is EngineState.STOPPED or self._halted is not None:
+                return
+            log.error("the engine stops for good: %s", reason)
+            self._halted = reason
+            self._phase = EngineState.FAILED
+            self._restart_at = math.inf
+            if self._thread is not None:
+                self._abandoned, self._thread = self._thread, None
+            self._generation += 1
+            self._record(reason)
+            self._fail_all(f"the engine stopped: {reason}")
 
     def cancel_all(self, reason: str = SHUTTING_DOWN) -> int:
         """End every queued and running request now with Finished(CANCELLED, reason) (a
@@ -289,6 +314,8 @@ class Engine:
             raise EngineStopped("the engine is not running")
         if state is EngineState.DRAINING:
             raise EngineUnavailable("the server is shutting down", state)
+        if self._halted is not None:
+            raise EngineUnavailable(f"the engine stopped: {self._halted}", state)
         if state is EngineState.STALLED:
             message = (
                 f"the engine stalled (no step for over {self.stall_seconds:g} s); it "
@@ -361,6 +388,8 @@ class Engine:
             phase, thread = self._phase, self._thread
             if phase is EngineState.STOPPED:
                 return
+            if self._halted is not None:
+                return  # for good: nothing to restart
             if phase is EngineState.STALLED:
                 if self._abandoned is None or not self._abandoned.is_alive():
                     self._abandoned = None
@@ -438,6 +467,9 @@ class Engine:
                 self._reset(batch)
             self._work_batched(batch, generation)
         except BaseException as exc:  # the watchdog restarts the worker
+            if not self._current(generation):  # abandoned (stalled, halted): reported then
+                log.info("an abandoned engine worker ended: %s: %s", type(exc).__name__, exc)
+                return
             log.exception("the engine's worker stopped")
             with self._lock:
                 if self._current(generation) and self._phase is EngineState.RUNNING:
@@ -509,7 +541,11 @@ class Engine:
             except queue.Empty:
                 self._beat = time.monotonic()
                 if runner.idle:
-                    continue
+                    tick = getattr(runner, "tick", None)
+                    if tick is None:
+                        continue
+                    tick()
+                    return True  # back to the loop, which sees if this worker was abandoned
                 return True
             if handle is None:
                 return False

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -54,6 +54,10 @@ _DTYPES: Mapping[str, mx.Dtype] = {
     "float16": mx.float16,
     "bfloat16": mx.bfloat16,
 }
+# Called on the model once its weights are loaded, before they are evaluated: a
+# distributed rank keeps its part there, so it never reads the rest
+# (runtime/distributed/load.py).
+ShardHook = Callable[[LanguageModel], None]
 _DEFAULT_CONTEXT = 4096
 # End-of-turn markers of chat vocabularies; a GGUF names only one eos id, but chat
 # models end their turns with these.
@@ -96,26 +100,31 @@ def resolve_dtype(dtype: str | None, default: str | None = None) -> tuple[str, m
 
 
 def load(
-    source: str | Path, *, dtype: str | None = None, keep_quantized: bool | None = None
+    source: str | Path,
+    *,
+    dtype: str | None = None,
+    keep_quantized: bool | None = None,
+    shard: ShardHook | None = None,
 ) -> LoadedModel:
     """Load a HF folder, an MLX-quantized folder or a GGUF file (see module docstring).
 
     ``dtype``: float dtype of the weights (None: float32 on CPU, bfloat16 elsewhere, and
     for weights kept quantized the dtype of their scales, see the module docstring).
     ``keep_quantized``: override the precision policy (None: dequantize on CPU only).
+    ``shard``: runs on the loaded, not yet evaluated model (see ShardHook).
     """
     path = Path(source).expanduser()
     if keep_quantized is None:
         keep_quantized = not backend.on_cpu()
     started = time.perf_counter()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        loaded = _load_gguf(path, dtype, keep_quantized)
+        loaded = _load_gguf(path, dtype, keep_quantized, shard)
     elif path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").is_file() and len(ggufs) == 1:
-            loaded = _load_gguf(ggufs[0], dtype, keep_quantized)
+            loaded = _load_gguf(ggufs[0], dtype, keep_quantized, shard)
         else:
-            loaded = _load_folder(path, dtype, keep_quantized)
+            loaded = _load_folder(path, dtype, keep_quantized, shard)
     elif path.exists():
         raise ValueError(f"{path}: expected a model folder or a .gguf file")
     else:
@@ -154,9 +163,16 @@ def _context_length(config: Mapping[str, Any]) -> int:
     return _DEFAULT_CONTEXT
 
 
-def _finish(model: LanguageModel, weights: dict[str, mx.array]) -> None:
-    """Strict load (a missing or extra tensor is an error), then materialize."""
+def _finish(
+    model: LanguageModel, weights: dict[str, mx.array], shard: ShardHook | None = None
+) -> None:
+    """Strict load (a missing or extra tensor is an error), then materialize. The
+    checkpoint's dict lets go of its tensors first: only what the model (or its shard)
+    keeps is ever read."""
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    weights.clear()
+    if shard is not None:
+        shard(model)
     mx.eval(model.parameters())
 
 
@@ -175,7 +191,9 @@ def _quantize_modules(model: LanguageModel, params: Mapping[str, Mapping[str, An
 # -- GGUF ---------------------------------------------------------------------------------
 
 
-def _load_gguf(path: Path, dtype: str | None, keep_quantized: bool) -> LoadedModel:
+def _load_gguf(
+    path: Path, dtype: str | None, keep_quantized: bool, shard: ShardHook | None = None
+) -> LoadedModel:
     from runtime.gguf import GGUFFile
     from runtime.gguf_config import hf_config
     from runtime.gguf_names import convert_weights
@@ -195,7 +213,7 @@ def _load_gguf(path: Path, dtype: str | None, keep_quantized: bool) -> LoadedMod
     model = build_model(config)
     if converted.quantization:
         _quantize_modules(model, converted.quantization)
-    _finish(model, converted.weights)
+    _finish(model, converted.weights, shard)
     template = gf.get("tokenizer.chat_template")
     generation = gguf_generation_config(gf.metadata)
     # A GGUF names one eos id; chat turns end with the vocabulary's end-of-turn token
@@ -265,7 +283,10 @@ def _safetensors_files(folder: Path) -> list[Path]:
 def _read_weights(files: Iterable[Path]) -> dict[str, mx.array]:
     weights: dict[str, mx.array] = {}
     for file in files:
-        loaded = mx.load(str(file))
+        try:
+            loaded = mx.load(str(file))
+        except (RuntimeError, ValueError) as exc:  # MLX names the tensor, not the file
+            raise ValueError(f"{file}: {exc}") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"{file}: expected a safetensors mapping")
         weights.update(loaded)
@@ -371,7 +392,9 @@ def _without_vision(config: dict[str, Any], weights: Mapping[str, mx.array]) -> 
     return {k: v for k, v in config.items() if k != "vision_config"}
 
 
-def _load_folder(folder: Path, dtype: str | None, keep_quantized: bool) -> LoadedModel:
+def _load_folder(
+    folder: Path, dtype: str | None, keep_quantized: bool, shard: ShardHook | None = None
+) -> LoadedModel:
     config = _read_config(folder)
     weights = _read_weights(_safetensors_files(folder))
     quant = _quant_config(config)
@@ -391,7 +414,7 @@ def _load_folder(folder: Path, dtype: str | None, keep_quantized: bool) -> Loade
         quantized = bool(modules)
     else:
         weights = _cast_floats(weights, mx_dtype)
-    _finish(model, weights)
+    _finish(model, weights, shard)
     tokenizer = Tokenizer.from_folder(folder)
     generation = _read_generation_config(folder)
     eos = set(tokenizer.eos_token_ids) | set(_int_ids(config.get("eos_token_id")))

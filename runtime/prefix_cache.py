@@ -411,6 +411,16 @@ class PrefixCache(Generic[C]):
 
     def _enforce_budget(self) -> None:
         active = {id(n) for n in self._path}
+        self._evict_over_budget(active)
+        if self._disk is not None:
+            self._disk.sweep(self._trie)  # files the disk tier deleted to stay in its bound
+        self._prune(active)
+
+    def _evict_over_budget(self, active: set[int]) -> None:
+        """Evict until the paged-out snapshots fit the budget. (The ranks of a
+        distributed group hold different shards, so their bytes differ: their lockstep
+        cache, runtime/distributed/lockstep.py, evicts only between steps, as rank 0
+        decides for all of them.)"""
         pinned: set[int] | None = None  # found only when something must go
         while self._trie.paged_bytes > self.limit_bytes:
             if pinned is None:
@@ -428,9 +438,6 @@ class PrefixCache(Generic[C]):
                 self._counts["pinned_evictions"] += 1
             self._evict(victim, active)
             self._counts["evictions"] += 1
-        if self._disk is not None:
-            self._disk.sweep(self._trie)  # files the disk tier deleted to stay in its bound
-        self._prune(active)
 
     def _pick_victim(self, active: set[int], pinned: set[int]) -> Node | None:
         """Off the live path first, unpinned first; then least recently used, deepest,

@@ -136,7 +136,9 @@ class DiskTier:
         self.identity = identity
         self._clock = clock
         self._writer = Writer(queue_bytes)
-        self._lock = FileLock(str(directory / ".lock"))
+        # not thread-local: after an engine failure the tier is closed and reopened on
+        # another thread, which must see (and release) the same lock
+        self._lock = FileLock(str(directory / ".lock"), thread_local=False)
         self._entries: dict[str, _Entry] = {}
         self._bytes = 0
         # what the writer reports to the engine thread: each job's entry and the size

@@ -82,12 +82,17 @@ class _CacheView:
 
 
 class ModelRunner:
+    # a distributed group's lockstep runner (runtime/distributed/lockstep.py) brings
+    # kinds of its own that take rank 0's decisions
+    prefix_cache_type: type[PrefixCache[Any]] = PrefixCache
+    scheduler_type: type[Scheduler] = Scheduler
+
     def __init__(self, loaded: LoadedModel, settings: RunnerSettings | None = None) -> None:
         self.loaded = loaded
         self.settings = settings or RunnerSettings()
         tok = loaded.tokenizer
         self._detok_table = DetokenizerTable.build(tok.hf, tok.special_ids)
-        self.prefix: PrefixCache[Any] = PrefixCache(
+        self.prefix: PrefixCache[Any] = self.prefix_cache_type(
             loaded.model.make_caches,
             budget_bytes=self.settings.prefix_cache_bytes,
             snapshot_interval=self.settings.snapshot_interval,
@@ -99,7 +104,7 @@ class ModelRunner:
         self._stream: Any = None
         self._settled = self._settle()  # the view a busy engine answers with
         self._grammar_vocab: GrammarVocabulary | None = None  # built on first use
-        self.scheduler = Scheduler(
+        self.scheduler = self.scheduler_type(
             loaded.model,
             self.prefix,
             make_caches=loaded.model.make_caches,

@@ -265,9 +265,20 @@ class Scheduler:
         seq = self._queue[0]
         if seq.prefill is None or seq.prefill.images is not None or seq.handle.cancelled:
             return None
-        if self.stats.decode_step_seconds <= 0 or any(_shift(r) for r in self._rows):
+        if self._rates()[0] <= 0 or any(_shift(r) for r in self._rows):
             return None
         return seq
+
+    # -- hooks for a distributed group's lockstep (runtime/distributed/lockstep.py) --
+
+    def _rates(self) -> tuple[float, float]:
+        """(decode step seconds, prefill tokens/s) as measured here: what sizes the
+        chunks. Lockstep ranks use rank 0's, so that timing never changes a decision."""
+        return self.stats.decode_step_seconds, self._prefill_rate
+
+    def _agree(self, rows: list[_Seq]) -> None:
+        """Every row in `rows` sampled its next token (`unread`, not yet read). Lockstep
+        ranks replace it with rank 0's; a single process keeps its own."""
 
     def _forward(self, rider: _Prefill | None = None, chunk: int = 0) -> list[mx.array]:
         """Queue one step's logits for every row: one (1, V) array per row; with a
@@ -305,11 +316,15 @@ class Scheduler:
             mx.async_eval(logits)
             ended = [i for i, row in enumerate(self._rows) if self._read(row)]
             arrays: list[mx.array] = []
+            kept = [row for i, row in enumerate(self._rows) if i not in ended]
             for i, row in enumerate(self._rows):
                 if i in ended:
                     continue
                 mask = row.matcher.mask() if row.matcher is not None else None
                 row.unread = row.sampler.sample(logits[i], mask)
+            self._agree(kept)
+            for row in kept:
+                assert row.unread is not None
                 row.input = row.unread.token
                 arrays += _sample_arrays(row.unread)
             if chunk and prefill is not None:
@@ -377,13 +392,14 @@ class Scheduler:
         cap = seq.request.prefill_chunk or self.prefill_chunk
         if not self._rows:
             return cap
-        if self._prefill_rate <= 0:
+        step_seconds, prefill_rate = self._rates()
+        if prefill_rate <= 0:
             return min(cap, 2 * MIN_PREFILL_CHUNK)
         fused = self._rider() is seq
         share = FUSED_SHARE if fused else PREFILL_SHARE
-        budget = share * self.stats.decode_step_seconds
+        budget = share * step_seconds
         floor = MIN_FUSED_CHUNK if fused else MIN_PREFILL_CHUNK
-        return max(min(cap, floor), min(cap, int(self._prefill_rate * budget)))
+        return max(min(cap, floor), min(cap, int(prefill_rate * budget)))
 
     def _prefill_step(self) -> list[tuple[RequestHandle, Finished]]:
         seq = self._queue[0]
@@ -489,6 +505,7 @@ class Scheduler:
         hidden = decode_forward(self.model, seq.input.reshape(1, 1), caches, [_shift(seq)])
         mask = seq.matcher.mask() if seq.matcher is not None else None
         seq.unread = seq.sampler.sample(self.model.logits(hidden[:, -1, :]), mask)
+        self._agree([seq])
         seq.input = seq.unread.token
         mx.eval([*_sample_arrays(seq.unread), *[a for c in caches for a in c.state]])
         assert seq.prefill is not None

@@ -13,6 +13,7 @@ from typing import Any
 import jinja2
 
 from templates.jinja_env import RaisedByTemplate, make_environment
+from templates.render_limits import RenderLimits, render_budget
 from templates.types import (
     ImagePart,
     Message,
@@ -32,6 +33,7 @@ _RENDER_ERRORS = (
     AttributeError,
     ArithmeticError,
     RecursionError,
+    MemoryError,
 )
 
 
@@ -156,19 +158,27 @@ def template_variables(
     return variables
 
 
-def compile_template(source: str) -> jinja2.Template:
+def compile_template(source: str, limits: RenderLimits | None = None) -> jinja2.Template:
     try:
-        return make_environment().from_string(source)
+        return make_environment(limits).from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise TemplateError(f"the model's chat template does not compile: {exc}") from exc
 
 
 class HFTemplateRenderer:
-    """A model's jinja chat template, compiled once."""
+    """A model's jinja chat template, compiled once; each render bounded by `limits`."""
 
-    def __init__(self, source: str, *, bos_token: str | None, eos_token: str | None) -> None:
+    def __init__(
+        self,
+        source: str,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        limits: RenderLimits | None = None,
+    ) -> None:
         self.source = source
-        self._template = compile_template(source)
+        self._limits = limits or RenderLimits()
+        self._template = compile_template(source, self._limits)
         self._bos_token = bos_token
         self._eos_token = eos_token
 
@@ -183,11 +193,12 @@ class HFTemplateRenderer:
         variables["tools"] = tool_dicts(tools)
         variables["documents"] = None
         first_error: TemplateError | None = None
-        for candidate in _null_content_variants(message_dicts(messages)):
-            try:
-                return self._run(candidate, variables)
-            except TemplateError as exc:
-                first_error = first_error or exc
+        with render_budget(self._limits):  # one deadline for every variant tried
+            for candidate in _null_content_variants(message_dicts(messages)):
+                try:
+                    return self._run(candidate, variables)
+                except TemplateError as exc:
+                    first_error = first_error or exc
         assert first_error is not None  # the variants are never empty
         raise first_error
 

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import uvicorn
 
@@ -24,13 +25,17 @@ def free_port() -> int:
 
 @contextmanager
 def live_server(
-    load: ModelRegistry | Callable[[], ServedModel], settings: ServerSettings | None = None
+    load: ModelRegistry | Callable[[], ServedModel],
+    settings: ServerSettings | None = None,
+    **uvicorn_options: Any,
 ) -> Iterator[str]:
     """Yield the base URL (http://127.0.0.1:PORT) of a running server: of one model
-    (`load` builds it), or of a registry's models."""
+    (`load` builds it), or of a registry's models. `uvicorn_options` go to uvicorn's
+    Config (e.g. log_level="info", log_config=None to see its logs in caplog)."""
     port = free_port()
     app = create_app(load, settings)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    options = {"log_level": "warning", **uvicorn_options}
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, **options)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -292,11 +292,12 @@ def test_model_prefill_same_with_and_without_kernels(
     np.testing.assert_allclose(one_shot, without, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("rows", [2, 3, 5, 8])
-@pytest.mark.parametrize("depth_cols", [(64, 96), (77, 13), (896, 130), (1024, 2100)])
+@pytest.mark.parametrize("rows", [2, 3, 5, 8, 16])
+@pytest.mark.parametrize("depth_cols", [(64, 96), (77, 13), (896, 130), (1024, 2100), (13, 7)])
 def test_small_gemm_matches_mlx(rows: int, depth_cols: tuple[int, int], any_isa: Any) -> None:
     """A linear layer over a few rows (a batched decode step): odd depths exercise the
-    vector tail, odd widths the last work item, 3 and 5 rows a partial pass."""
+    vector tail, widths not a multiple of 4 the columns left after the 4-wide blocks and
+    the last work item, odd rows the row left after the 2-high blocks."""
     depth, cols = depth_cols
     mx.random.seed(rows * 100 + depth)
     x = mx.random.normal((rows, 1, depth))

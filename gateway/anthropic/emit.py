@@ -111,7 +111,9 @@ def _input(arguments: str) -> dict[str, Any]:
     try:
         value = json.loads(arguments or "{}")
     except json.JSONDecodeError:
-        log.warning("tool call arguments are not valid JSON; sending {}: %.200s", arguments)
+        # the arguments are model output: their text goes to debug logs only
+        log.warning("tool call arguments are not valid JSON (%d chars); sending {}", len(arguments))
+        log.debug("the arguments: %.200s", arguments)
         return {}
     return value if isinstance(value, dict) else {}
 

@@ -26,6 +26,7 @@ from gateway.core.settings import (
 )
 
 if TYPE_CHECKING:
+    from gateway.cli.serve_models import ModelConfig
     from gateway.core.models_registry import ModelRegistry
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -144,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     _models_args(s)
     _engine_args(s)
     _server_args(s)
+    from gateway.cli.distributed import add_distributed_args
+
+    add_distributed_args(s)
 
     pull = sub.add_parser(
         "pull", help="download a model (an alias, or a Hugging Face repo into the Hub cache)"
@@ -261,6 +265,13 @@ def _models_args(p: argparse.ArgumentParser) -> None:
 
 
 def _server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allow-private-urls",
+        action="store_true",
+        default=_env("ALLOW_PRIVATE_URLS", "").lower() in ("1", "true", "yes", "on"),
+        help="fetch image URLs on loopback, private and link-local hosts too (default: "
+        "public hosts only, so a request cannot make the server reach its own network)",
+    )
     p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
@@ -401,7 +412,13 @@ def _serve(args: argparse.Namespace) -> int:
     if args.engine_stall_seconds <= 0:
         raise CliError("--engine-stall-seconds must be above 0 (default 300)")
     stall = args.engine_stall_seconds
-    settings = dataclasses.replace(_engine_settings(args), stall_seconds=stall)
+    settings = dataclasses.replace(
+        _engine_settings(args), stall_seconds=stall, allow_private_urls=args.allow_private_urls
+    )
+    if args.distributed:  # one model over the ranks mlx.launch started
+        from gateway.cli.distributed import serve_distributed
+
+        return serve_distributed(args, settings, server, _model_configs(args), _resolve)
     registry = _registry(args, settings)  # after the checks: it may download
     app = create_app(registry, server)
     warning = bind_warning(args.host, server.api_key)
@@ -424,13 +441,11 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
 
-def _registry(args: argparse.Namespace, settings: EngineSettings) -> ModelRegistry:
+def _model_configs(args: argparse.Namespace) -> list[ModelConfig]:
     """The models to serve: --config's, else each --model (else $MLX_GATEWAY_MODEL)."""
     import dataclasses
 
     from gateway.cli import serve_models
-    from gateway.core.model_memory import default_memory_budget
-    from gateway.core.models_registry import ModelRegistry
 
     aliases = model_aliases(args)  # for the default model, however the models are given
     config = args.config
@@ -441,9 +456,18 @@ def _registry(args: argparse.Namespace, settings: EngineSettings) -> ModelRegist
             raise CliError("give the models with --config or with --model, not both")
         configs = serve_models.read_config(config)
         configs[0] = dataclasses.replace(configs[0], aliases=configs[0].aliases | aliases)
-    else:
-        models = args.model or [_env("MODEL", DEFAULT_MODEL)]
-        configs = serve_models.from_flags(models, args.model_id, aliases)
+        return configs
+    models = args.model or [_env("MODEL", DEFAULT_MODEL)]
+    return serve_models.from_flags(models, args.model_id, aliases)
+
+
+def _registry(args: argparse.Namespace, settings: EngineSettings) -> ModelRegistry:
+    """The registry of the models to serve, each loaded on demand."""
+    from gateway.cli import serve_models
+    from gateway.core.model_memory import default_memory_budget
+    from gateway.core.models_registry import ModelRegistry
+
+    configs = _model_configs(args)
     budget = args.memory_budget or default_memory_budget()
     specs = serve_models.model_specs(configs, settings, _resolve, budget)
     try:

@@ -9,6 +9,7 @@ _ANTHROPIC_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     413: "request_too_large",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -78,6 +79,13 @@ class Unauthorized(APIError):
 class NotFound(APIError):
     status = 404
     type = "not_found_error"
+
+
+class RequestTimeout(APIError):
+    """The client did not send its request body in time (a stalled or trickling upload)."""
+
+    status = 408
+    type = "invalid_request_error"
 
 
 class PayloadTooLarge(APIError):

@@ -6,10 +6,11 @@ import json
 import logging
 from typing import Any, TypeVar
 
+import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from gateway.core.errors import InvalidRequest, PayloadTooLarge
+from gateway.core.errors import InvalidRequest, PayloadTooLarge, RequestTimeout
 from gateway.core.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
 log = logging.getLogger(__name__)
@@ -48,16 +49,27 @@ def _find_surrogate(data: Any) -> str | None:
 
 
 async def read_json(request: Request, *, max_bytes: int | None = None) -> Any:
-    limit = max_bytes if max_bytes is not None else server_settings(request).max_body_bytes
+    settings = server_settings(request)
+    limit = max_bytes if max_bytes is not None else settings.max_body_bytes
     declared = request.headers.get("content-length")
     too_big = f"The request body exceeds this server's limit of {limit} bytes."
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(too_big, code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLarge(too_big, code="request_too_large")
+    try:
+        with anyio.fail_after(settings.body_timeout_seconds):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise PayloadTooLarge(too_big, code="request_too_large")
+    except TimeoutError:
+        seconds = f"{settings.body_timeout_seconds:g}"
+        raise RequestTimeout(
+            f"The request body did not arrive within {seconds} s ({len(body)} bytes came); "
+            "send the whole body at once.",
+            code="request_timeout",
+            headers={"Connection": "close"},  # the rest of the body is never read
+        ) from None
     if not body:
         raise InvalidRequest("The request body is empty; send a JSON object.")
     try:
@@ -99,5 +111,8 @@ def validate(model: type[M], data: Any) -> M:
         detail = "; ".join(list(lines)[:5])
         raise InvalidRequest(f"Invalid request: {detail}", param=where or None) from None
     if parsed.model_extra:
-        log.info("ignoring unknown fields: %s", ", ".join(sorted(parsed.model_extra)))
+        # names a client chose: quoted (no forged log lines) and cut short (no floods)
+        names = sorted(parsed.model_extra)
+        shown = ", ".join(repr(n[:40]) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+        log.info("ignoring unknown fields: %s", shown)
     return parsed

@@ -237,10 +237,22 @@ class _PinnedHTTPS(http.client.HTTPSConnection):
         self.sock = self._tls.wrap_socket(sock, server_hostname=self.host)
 
 
+# IPv6 ranges that carry an IPv4 address in their last 32 bits (NAT64, IPv4-compatible)
+_CARRY_V4 = tuple(ipaddress.ip_network(n) for n in ("64:ff9b::/96", "64:ff9b:1::/48", "::/96"))
+
+
 def _public(address: str) -> bool:
+    """A global unicast address; an IPv6 one that carries an IPv4 address (mapped,
+    6to4, NAT64) only if that one is too."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return _public(str(ip.ipv4_mapped))
+        inner = ip.sixtofour
+        if inner is None and any(ip in net for net in _CARRY_V4):
+            inner = ipaddress.IPv4Address(int(ip) & 0xFFFF_FFFF)
+        if inner is not None and not _public(str(inner)):
+            return False
     return ip.is_global and not ip.is_multicast
 
 
@@ -256,7 +268,8 @@ def _resolve(host: str, port: int, policy: ImagePolicy) -> str:
     if not policy.allow_private and not all(_public(a) for a in addresses):
         raise ImageFetchError(
             f"the host {host!r} is a loopback, private or link-local address; this server "
-            "fetches images from public hosts only (send the image as a data: URL)"
+            "fetches images from public hosts only (send the image as a data: URL, or "
+            "start the server with --allow-private-urls)"
         )
     return addresses[0]
 

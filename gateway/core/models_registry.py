@@ -452,11 +452,14 @@ class ModelRegistry:
         if isinstance(exc, Overloaded):
             error: Exception = exc
         else:
-            log.error("loading %s failed", slot.spec.id, exc_info=exc)
             error = InternalError(
                 f"The model {slot.spec.id!r} failed to load: {type(exc).__name__}: {exc}",
                 code="model_load_failed",
             )
+            # the cause is usually the files' (truncated, damaged): one line; the
+            # traceback is for --log-level debug
+            log.error("loading %s failed: %s: %s", slot.spec.id, type(exc).__name__, exc)
+            log.debug("loading %s failed", slot.spec.id, exc_info=exc)
         with self._cond:
             future, slot.pending = slot.pending, None
             slot.state, slot.reserved = ModelState.UNLOADED, False

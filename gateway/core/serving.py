@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.core.capabilities import detect
+from gateway.core.images import ImagePolicy
 from gateway.core.served import ServedModel
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ class EngineSettings:
     parser: str | None = None  # force an output parser
     # the engine's watchdog fails and restarts a worker with work but no step this long
     stall_seconds: float = 300.0
+    # fetch image URLs on loopback, private and link-local hosts (default: public only)
+    allow_private_urls: bool = False
 
 
 def build_served(
@@ -45,8 +48,11 @@ def build_served(
     aliases: frozenset[str] = frozenset(),
     settings: EngineSettings | None = None,
     loaded: object | None = None,
+    make_runner: Callable[..., Any] | None = None,
 ) -> ServedModel:
-    """Load `path` (or reuse an already `loaded` model) and wrap it for serving."""
+    """Load `path` (or reuse an already `loaded` model) and wrap it for serving.
+    `make_runner(loaded, runner_settings)` builds the engine's runner in place of a
+    ModelRunner (a distributed group's rank 0 leads its followers with its own)."""
     from runtime.engine import Engine
     from runtime.loader import LoadedModel, load
     from runtime.runner import ModelRunner, RunnerSettings
@@ -95,7 +101,7 @@ def build_served(
         runner_settings = dataclasses.replace(
             runner_settings, prefix_cache_disk_bytes=settings.prefix_cache_disk_bytes
         )
-    runner = ModelRunner(model, runner_settings)
+    runner = (make_runner or ModelRunner)(model, runner_settings)
     engine = Engine(runner, max_queue=settings.max_queue, stall_seconds=settings.stall_seconds)
     log.info("%s: capabilities %s", model_id, caps.card())
     defaults = sampling_defaults(model.generation_config)
@@ -110,6 +116,7 @@ def build_served(
         aliases=aliases,
         runner=runner,
         sampling_defaults=defaults,
+        image_policy=ImagePolicy(allow_private=settings.allow_private_urls),
     )
 
 

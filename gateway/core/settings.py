@@ -27,6 +27,9 @@ class ServerSettings:
     strict_max_tokens: bool = False
     keepalive_seconds: float = 10.0  # SSE comment interval while nothing else is sent
     retry_after_seconds: int = 2  # told to clients when the queue is full
+    # the most a request body may take to arrive: a client that trickles it (slowloris)
+    # gets a 408 and the connection closes, instead of holding it open for ever
+    body_timeout_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -37,3 +40,5 @@ class ServerSettings:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.keepalive_seconds <= 0:
             raise ValueError("keepalive_seconds must be positive")
+        if self.body_timeout_seconds <= 0:
+            raise ValueError("body_timeout_seconds must be positive")

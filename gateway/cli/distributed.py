@@ -1,0 +1,301 @@
+"""`mlx-gateway serve --distributed tensor|pipeline`: one model over the processes that
+`mlx.launch` started, on one host or several (a hostfile or --hosts; any backend MLX
+has: ring over Ethernet or Thunderbolt, JACCL, MPI, NCCL on CUDA).
+
+Every rank runs the same command line. Each joins the group, loads its part of the
+model (runtime/distributed/load.py; from a shared path or its own copy) and then:
+
+- rank 0 serves HTTP with the templates, the parsers and the engine, whose runner leads
+  the group (runtime/distributed/lockstep.py);
+- every other rank follows rank 0's steps (runtime/distributed/follower.py): no HTTP,
+  nothing bound. It leaves when rank 0 ends the group; a first SIGINT/SIGTERM waits for
+  that (rank 0 drains, then stops everyone), a second leaves at once.
+
+A group serves one model, loaded at startup and never unloaded (--keep-alive does not
+apply): several --model, or a --config listing several, is an error. The runner
+settings (--max-batch, --prefill-chunk, the cache budgets) are rank 0's; the prefix
+cache's disk tier is not available. When the group loses a rank, rank 0's engine stops
+for good: requests get 503s that say why, so does /health, and the process stays up
+until it is stopped (mlx.launch stops it when a rank exits with an error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from gateway.cli.errors import FAILED, CliError
+from gateway.core.serving import EngineSettings
+from gateway.core.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from gateway.cli.serve_models import ModelConfig
+    from gateway.core.models_registry import ModelRegistry
+    from gateway.core.served import ServedModel
+    from runtime.distributed.channel import Channel
+    from runtime.distributed.group import Group
+    from runtime.distributed.lockstep import LockstepRunner
+    from runtime.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("any", "ring", "jaccl", "mpi", "nccl")
+DEFAULT_TIMEOUT_S = 10.0
+_CLOSE_SLACK_S = 30  # beyond its own bounds, what a shutdown may take before the alarm
+
+
+def add_distributed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--distributed",
+        choices=("tensor", "pipeline"),
+        default=os.environ.get("MLX_GATEWAY_DISTRIBUTED") or None,
+        help="serve one model split over the processes mlx.launch started (run this same "
+        "command on every rank): tensor (heads and MLP columns split, all_sums per "
+        "layer: fast links) or pipeline (contiguous stages of layers: slow links)",
+    )
+    p.add_argument(
+        "--distributed-backend",
+        choices=BACKENDS,
+        default=os.environ.get("MLX_GATEWAY_DISTRIBUTED_BACKEND") or "any",
+        help="the mx.distributed backend (default any: the one mlx.launch set up)",
+    )
+    p.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=float(os.environ.get("MLX_GATEWAY_DISTRIBUTED_TIMEOUT") or DEFAULT_TIMEOUT_S),
+        help="seconds a rank may stay silent (beyond a step's expected time) before the "
+        f"group counts as lost: requests then get 503s (default {DEFAULT_TIMEOUT_S:g})",
+    )
+
+
+Resolve = Callable[[str], tuple[Path, str]]
+
+
+def serve_distributed(
+    args: argparse.Namespace,
+    settings: EngineSettings,
+    server: ServerSettings,
+    configs: Sequence[ModelConfig],
+    resolve: Resolve,
+) -> int:
+    """This rank's part of the distributed server; the process ends here (os._exit:
+    an MLX call that a lost peer left blocked cannot be waited for)."""
+    cfg = _one_model(args, configs)
+    if args.distributed_timeout <= 0:
+        raise CliError("--distributed-timeout must be above 0")
+    from gateway.cli import serve_models
+
+    serve_models.check_names([cfg])
+    group = _join(args.distributed_backend)
+    _tag_logs(group.rank)
+    log.info(
+        "joined the group: %s, %s parallel (pid %d)",
+        group.describe(),
+        args.distributed,
+        os.getpid(),
+    )
+    path, default_id = resolve(cfg.source)
+    loaded = _load(path, group, args.distributed, cfg)
+    from runtime.distributed.channel import Channel
+
+    channel = Channel(group.handle)
+    if group.rank == 0:
+        code = _lead(args, settings, server, cfg, path, cfg.id or default_id, loaded, channel)
+    else:
+        code = _follow(args, settings, loaded, channel)
+    _leave(code)
+
+
+def _one_model(args: argparse.Namespace, configs: Sequence[ModelConfig]) -> ModelConfig:
+    if len(configs) != 1:
+        raise CliError(
+            f"--distributed serves one model; {len(configs)} were given (--model or "
+            "--config): start one distributed server per model"
+        )
+    if args.prefix_cache_dir is not None:
+        raise CliError(
+            "--prefix-cache-dir is not available with --distributed (each rank would keep "
+            "files of its own shard); leave it out"
+        )
+    return configs[0]
+
+
+def _join(backend: str) -> Group:
+    from runtime.distributed.group import Group
+
+    try:
+        group = Group.init(backend, strict=True)
+    except (RuntimeError, ValueError) as exc:
+        raise CliError(str(exc), FAILED) from None
+    if group.size < 2:
+        raise CliError(
+            "--distributed needs at least two ranks: start this command on every host "
+            "with mlx.launch (e.g. mlx.launch --hostfile hosts.json -- mlx-gateway serve "
+            "--distributed tensor ...)",
+            FAILED,
+        )
+    return group
+
+
+def _tag_logs(rank: int) -> None:
+    """mlx.launch interleaves every rank's output: say whose each line is."""
+    fmt = f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter(fmt))
+
+
+def _load(path: Path, group: Group, mode: str, cfg: ModelConfig) -> LoadedModel:
+    from runtime.distributed.load import load_sharded
+
+    try:
+        loaded = load_sharded(path, group, mode)  # type: ignore[arg-type]
+    except ValueError as exc:  # cannot be split so (the message says which sizes work)
+        raise CliError(str(exc), FAILED) from None
+    if cfg.context_length is not None:
+        loaded = dataclasses.replace(loaded, context_length=cfg.context_length)
+    return loaded
+
+
+def _lead(
+    args: argparse.Namespace,
+    settings: EngineSettings,
+    server: ServerSettings,
+    cfg: ModelConfig,
+    path: Path,
+    model_id: str,
+    loaded: LoadedModel,
+    channel: Channel,
+) -> int:
+    """Rank 0: the HTTP server, its engine leading the group."""
+    from gateway.app import create_app
+    from gateway.cli.main import bind_warning, client_url
+    from gateway.core.model_memory import default_memory_budget
+    from gateway.core.serving import build_served
+    from gateway.server import run_server
+    from runtime.distributed.lockstep import LockstepRunner
+
+    def make_runner(model: LoadedModel, runner_settings: Any) -> LockstepRunner:
+        return LockstepRunner(
+            model,
+            runner_settings,
+            channel,
+            timeout=args.distributed_timeout,
+            slow_bound=settings.stall_seconds,
+        )
+
+    own = dataclasses.replace(
+        settings,
+        template_family=cfg.template_family or settings.template_family,
+        parser=cfg.parser or settings.parser,
+        memory_budget=args.memory_budget or default_memory_budget(),
+    )
+    served = build_served(
+        path, model_id=model_id, aliases=cfg.aliases, settings=own, loaded=loaded,
+        make_runner=make_runner,
+    )  # fmt: skip
+    runner = served.runner
+    assert isinstance(runner, LockstepRunner)
+    runner.on_lost = served.engine.halt  # a lost group: every request a 503, for good
+    served.caps = dataclasses.replace(served.caps, vision=False)  # text only, for now
+    if cfg.sampling:
+        served.sampling_defaults = {**served.sampling_defaults, **cfg.sampling}
+    registry = _group_registry(served, runner)  # starts the engine
+    runner.watch()
+    app = create_app(registry, server)
+    warning = bind_warning(args.host, server.api_key)
+    if warning:
+        print(warning, file=sys.stderr)
+    url = client_url(args.host, args.port)
+    size = channel.size
+    print(
+        f"mlx-gateway: serving {model_id} over {size} ranks ({args.distributed} parallel) "
+        f"at {url}  (OPENAI_BASE_URL={url})",
+        file=sys.stderr,
+    )
+    try:
+        code = run_server(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            grace=args.shutdown_grace,
+        )
+    except BaseException as exc:
+        runner.shutdown(f"rank 0's server failed: {type(exc).__name__}: {exc}")
+        raise
+    runner.shutdown()
+    if runner.lost is not None:
+        log.error("the distributed group was lost: %s", runner.lost)
+        return FAILED
+    return code
+
+
+def _group_registry(served: ServedModel, runner: LockstepRunner) -> ModelRegistry:
+    """The one model's registry (it never unloads), whose close at shutdown leaves the
+    process instead when the group was lost: the worker's collective is blocked for
+    good, and freeing MLX memory would wait on it, holding the interpreter's lock. By
+    then the drain has answered every client."""
+    from gateway.core.models_registry import ModelRegistry
+
+    class GroupRegistry(ModelRegistry):
+        def close(self, timeout: float = 30.0) -> None:
+            if runner.lost is None:
+                # a backstop: a rank lost during this close leaves it stuck the same way
+                signal.alarm(int(timeout + runner.timeout) + _CLOSE_SLACK_S)
+                super().close(timeout)
+                signal.alarm(0)
+            if runner.lost is not None:
+                log.error("leaving: the distributed group was lost (%s)", runner.lost)
+                _leave(FAILED)
+
+    return GroupRegistry.serving(served, lambda: served)
+
+
+def _follow(
+    args: argparse.Namespace, settings: EngineSettings, loaded: LoadedModel, channel: Channel
+) -> int:
+    """Every other rank: follow rank 0 until it ends the group."""
+    from runtime.distributed.follower import follow
+
+    _patient_signals()
+    return follow(
+        loaded, channel, timeout=args.distributed_timeout, slow_bound=settings.stall_seconds
+    )
+
+
+def _patient_signals() -> None:
+    """A follower's first SIGINT/SIGTERM waits for rank 0 (which drains, then ends the
+    group); a second leaves at once."""
+    heard: list[int] = []
+
+    def handle(sig: int, frame: FrameType | None) -> None:
+        if heard:
+            sys.stderr.write(f"mlx-gateway: second {signal.Signals(sig).name}: leaving now\n")
+            sys.stderr.flush()
+            os._exit(128 + sig)
+        heard.append(sig)
+        log.warning(
+            "%s: waiting for rank 0 to end the group (a second signal leaves now)",
+            signal.Signals(sig).name,
+        )
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handle)
+
+
+def _leave(code: int) -> NoReturn:
+    """End the process without the interpreter's teardown: a peer that was lost can
+    leave an MLX call blocked in another thread, which the teardown would wait on (or
+    abort over)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,243 @@
+"""The pieces every rank of a lockstep group runs in place of a single process's: the
+scheduler and prefix cache that take rank 0's decisions, requests as the ranks see them,
+and a rank's state digest (see runtime/distributed/lockstep.py for the design).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import mlx.core as mx
+import numpy as np
+
+from runtime.cache import LayerCache
+from runtime.handle import RequestHandle, _ThreadSink
+from runtime.prefix_cache import PrefixCache
+from runtime.sampling import Sampler, SampleResult
+from runtime.scheduler import FUSED_SHARE, Scheduler, _Seq
+from runtime.types import GenerationEvent, GenerationRequest, SamplingParams
+
+C = TypeVar("C", bound=LayerCache)
+WireRequest = dict[str, Any]  # a request in a round's JSON (see `wire`)
+
+# Before a decode step was measured, it counts as a forward of this many prompt tokens:
+# generous (on a CPU BLAS one decode step costs what a few prompt tokens do)
+_DECODE_AS_TOKENS = 64
+
+
+class Diverged(RuntimeError):
+    """This rank's state no longer matches rank 0's: a bug, never a user's error."""
+
+
+class Replica(RequestHandle):
+    """A request as a lockstep rank's scheduler sees it. Its cancel flag changes only
+    between steps (rank 0 freezes it for each step, so every rank reads the same value);
+    on rank 0 its events go to the client's handle (`real`), elsewhere nowhere."""
+
+    def __init__(self, serial: int, request: GenerationRequest, real: RequestHandle | None):
+        super().__init__(request, _ThreadSink())  # the sink is never used: see _emit
+        self.serial = serial
+        self.real = real
+        self.frozen = False  # cancelled, as of this step
+
+    @property
+    def cancelled(self) -> bool:
+        return self.frozen
+
+    def _emit(self, event: GenerationEvent) -> None:
+        if self.real is not None:
+            self.real._emit(event)
+
+
+def wire(serial: int, request: GenerationRequest, max_tokens: int) -> WireRequest:
+    """What a follower needs of a request: the model side only (no sampling: the tokens
+    are rank 0's; no grammar; no images: a group refuses them)."""
+    return {
+        "serial": serial,
+        "prompt": list(request.prompt_tokens),
+        "max_tokens": max_tokens,
+        "stop": list(request.stop_strings),
+        "stop_ids": list(request.stop_token_ids),
+        "chunk": request.prefill_chunk,
+        "boundaries": list(request.boundaries),
+    }
+
+
+def unwire(item: WireRequest) -> tuple[int, GenerationRequest, int]:
+    """(serial, request, max_tokens) from `wire`'s form."""
+    request = GenerationRequest(
+        prompt_tokens=tuple(int(t) for t in item["prompt"]),
+        max_tokens=int(item["max_tokens"]),
+        sampling=SamplingParams(temperature=0.0),
+        stop_strings=tuple(str(s) for s in item["stop"]),
+        stop_token_ids=tuple(int(t) for t in item["stop_ids"]),
+        prefill_chunk=None if item["chunk"] is None else int(item["chunk"]),
+        boundaries=tuple(int(b) for b in item["boundaries"]),
+    )
+    return int(item["serial"]), request, int(item["max_tokens"])
+
+
+class Placeholder(Sampler):
+    """A follower's sampler. The token is rank 0's (LockstepScheduler._agree); this gives a
+    zero that depends on the logits, so that on every rank the step's forward, with its
+    collectives, is queued before the collective that carries the token."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(SamplingParams(temperature=0.0), vocab_size, ())
+
+    def sample(self, logits: mx.array, mask: mx.array | None = None) -> SampleResult:
+        zero = (mx.argmax(logits.reshape(1, -1), axis=-1) * 0).astype(mx.int32)
+        return SampleResult(token=zero, logprob=mx.zeros((1,), dtype=mx.float32))
+
+
+class LockstepScheduler(Scheduler):
+    """The scheduler, with rank 0's timings (`rates`, set before every step) and its
+    sampled tokens (`share`, an all_sum over the group)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rates = (0.0, 0.0)  # rank 0's (decode step seconds, prefill tokens/s)
+        self.share: Callable[[mx.array], mx.array] | None = None
+
+    def _rates(self) -> tuple[float, float]:
+        return self.rates
+
+    def _agree(self, rows: list[_Seq]) -> None:
+        if not rows or self.share is None:
+            return
+        results = [r.unread for r in rows if r.unread is not None]
+        assert len(results) == len(rows)
+        tokens = [u.token for u in results]
+        mx.async_eval(tokens)  # the forward and its collectives first, on every rank
+        shared = self.share(mx.concatenate(tokens))
+        for i, (row, result) in enumerate(zip(rows, results, strict=True)):
+            row.unread = dataclasses.replace(result, token=shared[i : i + 1])
+
+    # -- rank 0's side --
+
+    def measured(self) -> tuple[float, float]:
+        """This rank's own timings (rank 0 sends its)."""
+        return self.stats.decode_step_seconds, self._prefill_rate
+
+    @property
+    def row_bytes(self) -> tuple[int, int]:
+        return self._row_bytes
+
+    @row_bytes.setter
+    def row_bytes(self, value: tuple[int, int]) -> None:
+        # a follower takes rank 0's, so that whether a new sequence fits is one decision
+        self._row_bytes = value
+
+    def expected_seconds(self) -> float | None:
+        """About how long the next step takes, from this rank's measurements; None when a
+        prefill chunk is due whose speed was never measured."""
+        step, rate = self.measured()
+        seconds = 0.0
+        if self._queue:
+            if rate <= 0:
+                return None
+            head = self._queue[0]
+            done = 0 if head.prefill is None else head.prefill.offset
+            left = len(head.request.prompt_tokens) - done
+            seconds += min(head.request.prefill_chunk or self.prefill_chunk, left) / rate
+        if self._rows:
+            if step <= 0:
+                if rate <= 0:
+                    return None
+                step = _DECODE_AS_TOKENS / rate
+            seconds += step * (1 + FUSED_SHARE)
+        return seconds
+
+    def digest_parts(self) -> list[int]:
+        """Numbers every rank must agree on after a step."""
+        s = self.stats
+        parts = [len(self._rows), len(self._queue), len(self._writebacks), s.steps, s.fused_steps]
+        for row in self._rows:
+            generated = row.out.progress.generated
+            parts += [len(generated), generated[-1] if generated else -1]
+        for seq in self._queue:
+            parts.append(-1 if seq.prefill is None else seq.prefill.offset)
+        return parts
+
+
+class LockstepPrefixCache(PrefixCache[C]):
+    """The prefix cache, evicting only between steps: rank 0 decides (`decide_evictions`,
+    its own bytes against its own limit) and names its victims; the other ranks evict the
+    same nodes (`replay_evictions`). Between those points nothing is evicted, so every
+    rank's trie changes the same way."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deciding = False
+        self._victims: list[list[int]] = []
+
+    def _evict_over_budget(self, active: set[int]) -> None:
+        if self._deciding:
+            super()._evict_over_budget(active)
+
+    def _pick_victim(self, active: set[int], pinned: set[int]) -> Any:
+        node = super()._pick_victim(active, pinned)
+        if node is not None and self._deciding:
+            index = next(i for i, n in enumerate(self._trie.walk()) if n is node)
+            self._victims.append([index, node.end])
+        return node
+
+    def decide_evictions(self) -> list[list[int]]:
+        """Rank 0, between steps: evict to the limit; the victims as [walk index, end]."""
+        if not self.enabled:
+            return []
+        self._deciding, self._victims = True, []
+        try:
+            self._enforce_budget()
+        finally:
+            self._deciding = False
+        return self._victims
+
+    def digest_parts(self) -> list[int]:
+        """Numbers every rank's trie must agree on, cheap enough for every round (no walk
+        of the trie; never bytes: shards differ)."""
+        keys = ("requests", "hits", "reused_tokens", "adopted", "discards", "evictions")
+        return [*(self._counts[k] for k in keys), len(self._path), self._path[-1].end]
+
+    def replay_evictions(self, victims: Sequence[Sequence[int]]) -> None:
+        """A follower, between steps: evict what rank 0 did, in its order."""
+        if not self.enabled:
+            return
+        active = {id(n) for n in self._path}
+        for index, end in victims:
+            nodes = list(self._trie.walk())
+            if not 0 <= index < len(nodes) or nodes[index].end != end:
+                raise Diverged(f"rank 0 evicted node {index} (ending at {end}): no such node here")
+            self._evict(nodes[index], active)
+            self._counts["evictions"] += 1
+        self._prune(active)
+
+
+def _crc(data: bytes) -> int:
+    """A digest: cheap, and the same on every host."""
+    return zlib.crc32(data)
+
+
+def share_over(group: mx.distributed.Group) -> Callable[[mx.array], mx.array]:
+    """Rank 0's tokens on every rank: the others hold zeros (Placeholder)."""
+
+    def share(tokens: mx.array) -> mx.array:
+        return mx.distributed.all_sum(tokens, group=group)
+
+    return share
+
+
+def state_digest(scheduler: LockstepScheduler, prefix: LockstepPrefixCache[Any]) -> int:
+    """A digest of what every rank's step changes alike."""
+    parts = [*scheduler.digest_parts(), *prefix.digest_parts()]
+    return _crc(np.asarray(parts, np.int64).tobytes()) & 0x7FFFFFFF
+
+
+def fingerprint(config: dict[str, Any], context_length: int, eos: frozenset[int]) -> int:
+    """Which model a rank loaded (its config, context and end ids): every rank must agree."""
+    text = json.dumps([config, context_length, sorted(eos)], sort_keys=True, default=str)
+    return _crc(text.encode()) & 0x7FFFFFFF
