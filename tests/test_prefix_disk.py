@@ -27,9 +27,6 @@ import pytest
 
 import runtime.prefix_disk as prefix_disk
 import runtime.prefix_files as prefix_files
-import tests.tiny_deepseek as tiny_deepseek
-import tests.tiny_hybrid as tiny_hybrid
-import tests.tiny_models as tiny_models
 from gateway.cli.main import _engine_settings, _parser
 from gateway.core.serving import model_folder
 from runtime.cache import KVCache, LatentCache, RecurrentCache, RotatingKVCache
@@ -41,6 +38,8 @@ from runtime.prefix_disk import DiskTier
 from runtime.prefix_files import SUFFIX, TMP_SUFFIX, model_identity
 from runtime.runner import ModelRunner, RunnerSettings
 from runtime.types import Finished, GenerationRequest, SamplingParams, TextDelta
+from tests.engine_kinds import KINDS as ENGINE_KINDS
+from tests.engine_kinds import folder_maker, prompt
 from tests.recurrent_model import HybridModel
 from tests.test_prefix_cache import KINDS, Oracle, check_snapshots, run_request, tracked_snapshots
 
@@ -501,33 +500,10 @@ def test_the_flags_reach_the_engine_settings(tmp_path: Path) -> None:
 
 # -- through the engine, on the real tiny architectures --
 
-ENGINE_KINDS: dict[str, tuple[Any, int]] = {
-    "llama": (tiny_models, tiny_models.VOCAB),  # KV
-    "gemma3_text": (tiny_models, tiny_models.VOCAB),  # sliding window + KV
-    "qwen3_next": (tiny_hybrid, tiny_hybrid.VOCAB),  # recurrent + KV
-    "deepseek_v3": (tiny_deepseek, tiny_deepseek.VOCAB),  # MLA latents
-}
-
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            module, vocab = ENGINE_KINDS[name]
-            folder = tmp_path_factory.mktemp(name)
-            module.make_tiny(name, folder, seed=3)
-            tiny_models.write_tokenizer(folder, vocab)
-            made[name] = folder
-        return made[name]
-
-    return get
-
-
-def _prompt(n: int, seed: int, vocab: int) -> tuple[int, ...]:
-    rng = np.random.default_rng(seed)
-    return tuple(int(t) for t in rng.integers(3, vocab, size=n))
+    return folder_maker(tmp_path_factory)
 
 
 def _request(prompt: Sequence[int], new: int) -> GenerationRequest:
@@ -563,13 +539,13 @@ def _collect(handle: RequestHandle) -> tuple[list[int], int]:
 def _prompt_for(i: int, results: list[tuple[list[int], int]], vocab: int) -> tuple[int, ...]:
     """A conversation, another, the first continued, then that continued again (each
     continuation builds on the previous reply)."""
-    first = _prompt(40, 11, vocab) + _prompt(6, 1, vocab)
+    first = prompt(40, 11, vocab) + prompt(6, 1, vocab)
     if i == 1:
-        return _prompt(30, 2, vocab)
+        return prompt(30, 2, vocab)
     if i == 0:
         return first
-    second = first + tuple(results[0][0]) + _prompt(5, 3, vocab)
-    return second if i == 2 else second + tuple(results[2][0]) + _prompt(4, 4, vocab)
+    second = first + tuple(results[0][0]) + prompt(5, 3, vocab)
+    return second if i == 2 else second + tuple(results[2][0]) + prompt(4, 4, vocab)
 
 
 def _run(

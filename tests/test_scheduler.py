@@ -20,8 +20,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import tests.tiny_deepseek as tiny_deepseek
-import tests.tiny_hybrid as tiny_hybrid
 import tests.tiny_models as tiny_models
 from runtime.cache.batch import BatchCaches
 from runtime.engine import Engine, RequestHandle
@@ -36,35 +34,13 @@ from runtime.types import (
     SamplingParams,
     TextDelta,
 )
-
-# name -> (module that builds it, vocabulary size)
-KINDS: dict[str, tuple[Any, int]] = {
-    "llama": (tiny_models, tiny_models.VOCAB),  # KV
-    "gemma3_text": (tiny_models, tiny_models.VOCAB),  # sliding window + KV
-    "qwen3_next": (tiny_hybrid, tiny_hybrid.VOCAB),  # recurrent + KV
-    "deepseek_v3": (tiny_deepseek, tiny_deepseek.VOCAB),  # MLA latents
-}
+from tests.engine_kinds import KINDS as ENGINE_KINDS
+from tests.engine_kinds import folder_maker, prompt
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            module, vocab = KINDS[name]
-            folder = tmp_path_factory.mktemp(name)
-            module.make_tiny(name, folder, seed=3)
-            tiny_models.write_tokenizer(folder, vocab)
-            made[name] = folder
-        return made[name]
-
-    return get
-
-
-def _prompt(n: int, seed: int, vocab: int) -> tuple[int, ...]:
-    rng = np.random.default_rng(seed)
-    return tuple(int(t) for t in rng.integers(3, vocab, size=n))
+    return folder_maker(tmp_path_factory)
 
 
 def _request(prompt: tuple[int, ...], new: int, **sampling: Any) -> GenerationRequest:
@@ -144,24 +120,24 @@ def _together(
 
 
 def _mixed(vocab: int) -> list[GenerationRequest]:
-    shared = _prompt(40, 11, vocab)
+    shared = prompt(40, 11, vocab)
     return [
-        _request(_prompt(7, 1, vocab), 12),
-        _request(_prompt(45, 2, vocab), 20),
-        _request(shared + _prompt(5, 3, vocab), 9),
-        _request(shared + _prompt(9, 4, vocab), 15),
-        _request(_prompt(1, 5, vocab), 6),  # a one-token prompt
-        _request(_prompt(23, 6, vocab), 17, logprobs=True, top_logprobs=3),
+        _request(prompt(7, 1, vocab), 12),
+        _request(prompt(45, 2, vocab), 20),
+        _request(shared + prompt(5, 3, vocab), 9),
+        _request(shared + prompt(9, 4, vocab), 15),
+        _request(prompt(1, 5, vocab), 6),  # a one-token prompt
+        _request(prompt(23, 6, vocab), 17, logprobs=True, top_logprobs=3),
     ]
 
 
-@pytest.mark.parametrize("name", list(KINDS))
+@pytest.mark.parametrize("name", list(ENGINE_KINDS))
 @pytest.mark.parametrize("cache", [True, False])
 def test_concurrent_greedy_requests_match_running_alone(
     name: str, cache: bool, folders: Callable[[str], Path]
 ) -> None:
     folder = folders(name)
-    requests = _mixed(KINDS[name][1])
+    requests = _mixed(ENGINE_KINDS[name][1])
     expected = _alone(folder, requests)
     engine = _engine(folder, max_batch=8, cache=cache)
     try:
@@ -196,11 +172,11 @@ def test_logprobs_come_back_per_sequence(folders: Callable[[str], Path]) -> None
 def test_cancelled_sequences_leave_the_others_untouched(folders: Callable[[str], Path]) -> None:
     folder = folders("llama")
     vocab = tiny_models.VOCAB
-    keep = [_request(_prompt(30, s, vocab), 40) for s in (21, 22, 23)]
+    keep = [_request(prompt(30, s, vocab), 40) for s in (21, 22, 23)]
     expected = _alone(folder, keep)
     engine = _engine(folder, max_batch=8, cache=True)
     try:
-        doomed = [engine.submit(_request(_prompt(30, s, vocab), 200)) for s in (31, 32)]
+        doomed = [engine.submit(_request(prompt(30, s, vocab), 200)) for s in (31, 32)]
         kept = [engine.submit(r) for r in keep]
         for handle in doomed:  # cancel each after its first token
             for event in handle:
@@ -219,10 +195,10 @@ def test_random_arrivals_change_nothing(folders: Callable[[str], Path]) -> None:
     """A property over random arrival times, lengths and batch sizes (seeded)."""
     for name in ("llama", "qwen3_next"):
         folder = folders(name)
-        vocab = KINDS[name][1]
+        vocab = ENGINE_KINDS[name][1]
         rng = random.Random(7)
         requests = [
-            _request(_prompt(rng.randint(1, 50), 100 + i, vocab), rng.randint(1, 16))
+            _request(prompt(rng.randint(1, 50), 100 + i, vocab), rng.randint(1, 16))
             for i in range(7)
         ]
         expected = _alone(folder, requests)
@@ -242,7 +218,7 @@ def test_batch_cache_rows_round_trip(folders: Callable[[str], Path]) -> None:
     rows = []
     for n, seed in ((5, 1), (13, 2), (30, 3)):  # 30 > the sliding window of 8
         caches = model.make_caches()
-        model.forward(mx.array([_prompt(n, seed, tiny_models.VOCAB)]), caches)
+        model.forward(mx.array([prompt(n, seed, tiny_models.VOCAB)]), caches)
         rows.append(caches)
     batch = BatchCaches(rows[0])
     for caches in rows:
@@ -280,9 +256,9 @@ def test_prefill_chunks_ride_on_decode_steps(name: str, folders: Callable[[str],
     (one forward for both, runtime/cache/ragged.py), and every request still gets the
     tokens it gets alone. gemma3's 45-token prompts pass its sliding window of 8."""
     folder = folders(name)
-    vocab = KINDS[name][1]
-    running = [_request(_prompt(5, 40 + i, vocab), 60) for i in range(2)]
-    arriving = [_request(_prompt(45, 50 + i, vocab), 10) for i in range(3)]
+    vocab = ENGINE_KINDS[name][1]
+    running = [_request(prompt(5, 40 + i, vocab), 60) for i in range(2)]
+    arriving = [_request(prompt(45, 50 + i, vocab), 10) for i in range(3)]
     expected = _alone(folder, [*running, *arriving])
     for cache in (False, True):
         engine = _engine(folder, max_batch=8, cache=cache)
@@ -308,7 +284,7 @@ def test_the_trie_gives_way_to_the_running_batch(folders: Callable[[str], Path])
     hold only what their caches (at their longest) leave, and it holds no more; once they
     end it may grow back to its own budget. The tokens are those of each request alone."""
     folder = folders("llama")
-    requests = [_request(_prompt(40, 70 + i, tiny_models.VOCAB), 30) for i in range(3)]
+    requests = [_request(prompt(40, 70 + i, tiny_models.VOCAB), 30) for i in range(3)]
     expected = _alone(folder, requests)
     engine = _engine(folder, max_batch=8, cache=True, memory=256 * 1024)
     runner = engine._runner

@@ -10,11 +10,12 @@ decode step. Streams carry keepalive comments while nothing else is sent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -269,11 +270,12 @@ def openai_error_events(err: APIError) -> list[dict[str, Any]]:
     return [sse_data(err.openai_body()), DONE]
 
 
-async def _guarded(
-    body: AsyncIterator[dict[str, Any]], gens: Generations, on_error: ErrorEvents
-) -> AsyncIterator[dict[str, Any]]:
-    """An error after the stream began goes out as the dialect's SSE error event(s): the
-    status line is already sent, and a dropped connection would tell the client nothing."""
+async def errors_as_events(
+    body: AsyncIterator[Any], on_error: ErrorEvents, *, began: bool
+) -> AsyncIterator[Any]:
+    """An error while a stream runs goes out as the dialect's SSE error event(s): the
+    status line is already sent, and a dropped connection would tell the client nothing.
+    `began`: whether the route's own stream had started (for the log)."""
     try:
         async for item in body:
             yield item
@@ -281,8 +283,21 @@ async def _guarded(
         for item in on_error(exc):
             yield item
     except Exception as exc:
-        log.exception("stream failed")
+        log.exception("stream failed" if began else "stream failed before it began")
         for item in on_error(InternalError(f"internal error: {type(exc).__name__}: {exc}")):
+            yield item
+    finally:
+        if isinstance(body, AsyncGenerator):
+            with contextlib.suppress(Exception):
+                await body.aclose()
+
+
+async def _guarded(
+    body: AsyncIterator[dict[str, Any]], gens: Generations, on_error: ErrorEvents
+) -> AsyncIterator[dict[str, Any]]:
+    """The route's stream, its errors as events; the generations cancelled at the end."""
+    try:
+        async for item in errors_as_events(body, on_error, began=True):
             yield item
     finally:
         gens.cancel()  # frees the engine when the client left mid-stream

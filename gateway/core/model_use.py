@@ -10,7 +10,6 @@ does not fit) arrives as the dialect's SSE error event instead of a status code.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -20,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.core.errors import APIError, InternalError, Overloaded
-from gateway.core.generation import ErrorEvents, openai_error_events
+from gateway.core.errors import Overloaded
+from gateway.core.generation import ErrorEvents, errors_as_events, openai_error_events
 from gateway.core.http import server_settings
 from gateway.core.models_registry import Lease, ModelRegistry, ModelSpec
 from gateway.core.served import ServedModel
@@ -110,27 +109,8 @@ def _deferred(
 
     settings = server_settings(request)
     return EventSourceResponse(
-        _errors_as_events(body(), on_error),
+        errors_as_events(body(), on_error, began=False),
         ping=settings.keepalive_seconds,
         ping_message_factory=ping,
         send_timeout=30,
     )
-
-
-async def _errors_as_events(body: AsyncIterator[Any], on_error: ErrorEvents) -> AsyncIterator[Any]:
-    """An error before the route's stream began (the load failed, the request does not
-    fit this model) goes out as the dialect's error event: the 200 is already sent."""
-    try:
-        async for item in body:
-            yield item
-    except APIError as exc:
-        for item in on_error(exc):
-            yield item
-    except Exception as exc:
-        log.exception("stream failed before it began")
-        for item in on_error(InternalError(f"internal error: {type(exc).__name__}: {exc}")):
-            yield item
-    finally:
-        if isinstance(body, AsyncGenerator):
-            with contextlib.suppress(Exception):
-                await body.aclose()
