@@ -26,7 +26,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -39,14 +38,13 @@ from safetensors.numpy import load_file, save_file
 
 from gateway.core.served import ServedModel
 from gateway.core.serving import build_served
-from runtime.engine import Engine, RequestHandle
+from runtime.engine import Engine
 from runtime.prefix_files import SUFFIX, TMP_SUFFIX, BadEntry, read_header
-from runtime.runner import ModelRunner, RunnerSettings
-from runtime.types import Finished
 from tests.anthropic_checks import check_error, check_message, check_stream, read_events
 from tests.fault_serve import STALLED
 from tests.live_server import free_port, live_server
 from tests.openai_checks import chat_body, chat_chunks, chat_texts, error_of, post, stream
+from tests.test_staying_up import FaultyRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-qwen3"
@@ -375,21 +373,6 @@ def test_a_truncated_model_among_several_is_an_error_in_each_dialect(
 
 
 # -- the engine's worker killed, with the disk tier on -------------------------------------
-
-
-class FaultyRunner(ModelRunner):
-    """The real runner over the disk tier, with a fault to inject: the next step raises."""
-
-    def __init__(self, served: ServedModel, directory: Path) -> None:
-        settings = RunnerSettings(prefill_chunk=256, prefix_cache_dir=directory)
-        super().__init__(served.loaded, settings)
-        self.fault = threading.Event()
-
-    def step(self) -> list[tuple[RequestHandle, Finished]]:
-        if self.fault.is_set():
-            self.fault.clear()
-            raise RuntimeError("injected fault")
-        return super().step()
 
 
 @pytest.fixture

@@ -96,10 +96,13 @@ def _assert_engine_failed_503(r: httpx.Response, dialect: str) -> str:
 
 
 class FaultyRunner(ModelRunner):
-    """The real runner, with a fault to inject: the next step raises."""
+    """The real runner (over a disk tier in `directory`, if given), with a fault to
+    inject: the next step raises."""
 
-    def __init__(self, served: ServedModel) -> None:
-        super().__init__(served.loaded, RunnerSettings(prefill_chunk=256))
+    def __init__(self, served: ServedModel, directory: Path | None = None) -> None:
+        super().__init__(
+            served.loaded, RunnerSettings(prefill_chunk=256, prefix_cache_dir=directory)
+        )
         self.fault = threading.Event()
 
     def step(self) -> list[tuple[RequestHandle, Finished]]:
