@@ -1,8 +1,8 @@
 """Output parsers: model text -> reasoning, content and tool-call events.
 
 Each parser is an incremental state machine registered by name and created with
-`create(name, tools=None, think=None)`; `feed(text)` and `finish()` return lists of
-events (parsers/events.py).
+`create(name, tools=None, think=None)`; `feed(text)` and `finish(truncated=False)`
+return lists of events (parsers/events.py).
 
 Composition: every parser but `passthrough` is a `<think>` splitter in front of a
 tool-call format (parsers/_compose.py). `think` picks how reasoning is read:
@@ -33,7 +33,10 @@ __all__ = ["Parser", "ThinkMode", "create", "names", "think_mode"]
 
 class Parser(Protocol):
     def feed(self, text: str) -> list[Event]: ...
-    def finish(self) -> list[Event]: ...
+    def finish(self, *, truncated: bool = False) -> list[Event]:
+        """The output is over; `truncated`: it stopped at its token limit, so tool-call
+        markup left unfinished is dropped rather than shown as text."""
+        ...
 
 
 FormatFactory = Callable[[ToolSet], Format]

@@ -4,8 +4,9 @@ A call is held back (with the raw text it came from) until it can be committed: 
 name is a declared tool and every required argument has begun (and, for a gated call,
 its format has opened the gate). From then on its arguments stream as JSON text
 fragments. A call that ends without being committable
-becomes content again, as it was written; a committed call always ends with its JSON
-object closed.
+becomes content again, as it was written, unless the output was cut short (`truncated`)
+inside the format's own markup: then the unfinished markup is dropped, never shown as
+text. A committed call always ends with its JSON object closed.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class _Call:
     def __init__(self, raw: str, gated: bool) -> None:
         self.raw: list[str] = [raw]
         self.gated = gated
+        self.tagged = not gated  # begun by the format's markup, not guessed from JSON
         self.spec: ToolSpec | None = None
         self.pending: list[str] = []
         self.keys: set[str] = set()
@@ -81,6 +83,7 @@ class ToolCalls:
         self._call: _Call | None = None
         self._next_index = 0
         self._ids: set[str] = set()
+        self.truncated = False  # the output stopped at its token limit (set by `finish`)
 
     @property
     def active(self) -> bool:
@@ -174,7 +177,8 @@ class ToolCalls:
             self.end()
             return
         self._call = None
-        self._out.content("".join(call.raw))
+        if not (self.truncated and call.tagged):
+            self._out.content("".join(call.raw))
 
     def end(self) -> bool:
         """Ends the call: emitted if it is valid (True), else it becomes content."""

@@ -20,7 +20,7 @@ class Format(Protocol):
 
     def feed(self, text: str) -> list[Event]: ...
 
-    def finish(self) -> list[Event]: ...
+    def finish(self, *, truncated: bool = False) -> list[Event]: ...
 
 
 class ComposedParser:
@@ -31,10 +31,12 @@ class ComposedParser:
     def feed(self, text: str) -> list[Event]:
         return self._route(self._think.feed(text), final=False)
 
-    def finish(self) -> list[Event]:
-        return self._route(self._think.finish(), final=True)
+    def finish(self, *, truncated: bool = False) -> list[Event]:
+        return self._route(self._think.finish(), final=True, truncated=truncated)
 
-    def _route(self, segments: list[tuple[bool, str]], final: bool) -> list[Event]:
+    def _route(
+        self, segments: list[tuple[bool, str]], final: bool, truncated: bool = False
+    ) -> list[Event]:
         events: list[Event] = []
         for is_reasoning, text in segments:
             if is_reasoning:
@@ -44,7 +46,7 @@ class ComposedParser:
             else:
                 events.append(Content(text))
         if final and self._fmt is not None:
-            events += self._fmt.finish()
+            events += self._fmt.finish(truncated=truncated)
         return coalesce(events)
 
 

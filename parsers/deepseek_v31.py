@@ -59,10 +59,12 @@ class DeepSeekV31Format(Machine):
         self._run(text)
         return self._out.take()
 
-    def finish(self) -> list[Event]:
-        self._run("", final=True)
+    def finish(self, *, truncated: bool = False) -> list[Event]:
+        self._calls.truncated = truncated
+        self._finish_text(self.openers, truncated)
         if self._state is _D.SECTION:
-            self._out.content(self._section_raw)
+            if not truncated:
+                self._out.content(self._section_raw)
         elif self._state is not _D.CONTENT:
             self._end_call()
         self._out.flush()

@@ -54,8 +54,9 @@ class Glm47Format(Machine):
         self._run(text)
         return self._out.take()
 
-    def finish(self) -> list[Event]:
-        self._run("", final=True)
+    def finish(self, *, truncated: bool = False) -> list[Event]:
+        self._calls.truncated = truncated
+        self._finish_text(self.openers, truncated)
         if self._state is not _G.CONTENT:
             self._end_call()
         self._out.flush()

@@ -53,8 +53,9 @@ class HermesFormat(Machine):
         self._run(text)
         return self._out.take()
 
-    def finish(self) -> list[Event]:
-        self._run("", final=True)
+    def finish(self, *, truncated: bool = False) -> list[Event]:
+        self._calls.truncated = truncated
+        self._finish_text(self.openers, truncated)
         if self._state is _H.CALL:
             end_call(self._calls, self._scanner)
         elif self._state is _H.CONTENT:

@@ -55,13 +55,15 @@ class Llama3JsonFormat(Machine):
         self._run(text)
         return self._out.take()
 
-    def finish(self) -> list[Event]:
-        self._run("", final=True)
+    def finish(self, *, truncated: bool = False) -> list[Event]:
+        self._calls.truncated = truncated
+        self._finish_text(self.openers, truncated)
         if self._state is _L.CALL:
             end_call(self._calls, self._scanner)
         elif self._state is _L.CONTENT:
             self._json.finish()
-        self._out.content(self._tag)
+        if not truncated:
+            self._out.content(self._tag)
         self._tag = ""
         self._out.flush()
         return self._out.take()

@@ -9,5 +9,5 @@ class PassthroughParser:
     def feed(self, text: str) -> list[Event]:
         return [Content(text)] if text else []
 
-    def finish(self) -> list[Event]:
+    def finish(self, *, truncated: bool = False) -> list[Event]:
         return []

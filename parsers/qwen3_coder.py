@@ -69,9 +69,10 @@ class Qwen3CoderFormat(Machine):
         self._run(text)
         return self._out.take()
 
-    def finish(self) -> list[Event]:
-        self._run("", final=True)
-        if self._state is _Q.SECTION and self._section_raw:
+    def finish(self, *, truncated: bool = False) -> list[Event]:
+        self._calls.truncated = truncated
+        self._finish_text(self.openers, truncated)
+        if self._state is _Q.SECTION and self._section_raw and not truncated:
             self._out.content(self._section_raw)
         elif self._state is _Q.VALUE:
             self._end_value(exact=False)

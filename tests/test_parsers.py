@@ -19,6 +19,7 @@ from parsers._compose import coalesce
 from parsers._schema import coerce_text, coerce_value
 from parsers.events import Content, Event, Reasoning, ToolCallArgs, ToolCallEnd, ToolCallStart
 from tests.parser_cases import CASES, DECLARED, TOOLS, Case
+from tests.parser_tools import W
 
 
 @dataclass
@@ -388,3 +389,50 @@ def test_damaged_cases(
     pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
     assert reconstruct(run(make(case), pieces)) == whole
     assert reconstruct(run(make(case), chunks(text, 1))) == whole
+
+
+# a whole call, then the start of a second one, in each format's own markup
+_CUT_SHORT = {
+    "hermes": (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n',
+        '<tool_call>\n{"name": "get_w',
+    ),
+    "qwen3-coder": (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "</function>\n</tool_call>\n",
+        "<tool_call>\n<function=get_wea",
+    ),
+    "glm-4.7": (
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "</tool_call>\n",
+        "<tool_call>get_wea",
+    ),
+    "deepseek-v3.1": (
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁call▁begin｜>get_wea",
+    ),
+    "llama3-json": (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; ',
+        '<|python_tag|>{"name": "get_w',
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CUT_SHORT))
+def test_markup_cut_short_at_the_token_limit_is_dropped(name: str) -> None:
+    """Output that stops at max_tokens inside a call's markup (a parallel call just
+    begun, say) does not show the markup as text: the unfinished call is dropped, at
+    every point the cut may fall. A natural end keeps giving a failed call back."""
+    whole, second = _CUT_SHORT[name]
+    prefix = "" if name == "llama3-json" else "Checking. "
+    for cut in range(len(second) + 1):
+        text = prefix + whole + second[:cut]
+        for size in (0, 1):
+            parser = parsers.create(name, tools=TOOLS)
+            events = [e for p in (chunks(text, size) if size else [text]) for e in parser.feed(p)]
+            got = reconstruct(events + parser.finish(truncated=True))
+            assert got == Result(content=prefix.strip(), calls=[W("Paris")]), (cut, got)
+    parser = parsers.create(name, tools=TOOLS)
+    natural = reconstruct(parser.feed(prefix + whole + second) + parser.finish())
+    assert natural.calls == [W("Paris")] and second.strip() in natural.content

@@ -177,6 +177,7 @@ class ScriptedRunner:
         self.gate.set()
         self.prefill_seconds = 0.0
         self.fail_after: int | None = None
+        self.text: list[str] | None = None  # the pieces to write instead of "t0 t1 ..."
 
     def run(self, handle: RequestHandle) -> Finished:
         self.gate.wait(60)
@@ -190,7 +191,10 @@ class ScriptedRunner:
                 return Finished(FinishReason.CANCELLED, GenerationStats(prompt, n))
             if self.fail_after is not None and n == self.fail_after:
                 raise RuntimeError("scripted failure")
-            handle._emit(TextDelta(f"t{n} ", (n,)))
+            if self.text is not None and n == len(self.text):
+                return Finished(FinishReason.STOP, GenerationStats(prompt, n))
+            piece = f"t{n} " if self.text is None else self.text[n]
+            handle._emit(TextDelta(piece, (n,)))
         return Finished(FinishReason.LENGTH, GenerationStats(prompt, n + 1))
 
 
@@ -236,6 +240,7 @@ def script(scripted: tuple[str, ScriptedRunner]) -> Iterator[tuple[str, Scripted
     runner.gate.set()
     runner.prefill_seconds = 0.0
     runner.fail_after = None
+    runner.text = None
 
 
 async def _wait_health(url: str, client: httpx.AsyncClient, **want: Any) -> None:
@@ -340,3 +345,46 @@ def test_a_stopped_engine_answers_503_with_retry_after(smollm2_gguf: Path) -> No
         r = post(url, CHAT, {"model": MODEL, "messages": HELLO, "max_tokens": 2})
         assert error_of(r, 503)["type"] == "overloaded_error" and int(r.headers["retry-after"]) >= 1
         assert httpx.get(f"{url}/health").status_code == 503
+
+
+_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def scripted_qwen3(tiny_qwen3_dir: Path) -> Iterator[tuple[str, ScriptedRunner]]:
+    """A scripted runner behind a model with a tool-call format (hermes)."""
+    runner = ScriptedRunner()
+    with live_server(lambda: _scripted_served(tiny_qwen3_dir, runner)) as url:
+        yield url, runner
+
+
+def test_tool_markup_cut_off_by_max_tokens_is_not_content(
+    scripted_qwen3: tuple[str, ScriptedRunner],
+) -> None:
+    """A reply that reaches max_tokens just after opening a second call: every dialect
+    returns the whole call and finish reason length, and no `<tool_call>` as text."""
+    url, runner = scripted_qwen3
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+    runner.text = [call, "<tool_call>", '\n{"name"', ': "get_weather"', ""]
+    chat = {"model": MODEL, "messages": HELLO, "tools": [_WEATHER], "max_tokens": 3}
+    body = chat_body(post(url, CHAT, chat))
+    (choice,) = body.choices
+    assert choice.finish_reason == "length" and not choice.message.content
+    assert [c.function.name for c in choice.message.tool_calls or []] == ["get_weather"]
+    chunks = chat_chunks(stream(url, CHAT, chat))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not "".join(d.content or "" for d in deltas)
+    assert sum(len(d.tool_calls or []) for d in deltas if d.tool_calls and d.tool_calls[0].id) == 1
+    anthropic_body = {"model": MODEL, "max_tokens": 3, "messages": HELLO, "tools": [
+        {"name": "get_weather", "input_schema": _WEATHER["function"]["parameters"]}]}  # fmt: skip
+    message = post(url, "/v1/messages", anthropic_body).json()
+    assert message["stop_reason"] == "max_tokens"
+    assert [b["type"] for b in message["content"]] == ["tool_use"]
+    responses_body = {"model": MODEL, "input": "Weather?", "max_output_tokens": 3,
+                      "tools": [{"type": "function", **_WEATHER["function"]}]}  # fmt: skip
+    response = post(url, "/v1/responses", responses_body).json()
+    assert [item["type"] for item in response["output"]] == ["function_call"]
+    runner.text = [call, "Done."]  # a natural end after text: nothing is dropped
+    message = post(url, "/v1/messages", anthropic_body).json()
+    assert [b["type"] for b in message["content"]] == ["tool_use", "text"]

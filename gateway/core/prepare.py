@@ -133,7 +133,8 @@ def _budget(
     if close is None:
         log.info(
             "a reasoning budget of %d tokens is not applied: </think> is not one token in "
-            "this model's vocabulary", plan.reasoning_budget
+            "this model's vocabulary",
+            plan.reasoning_budget,
         )
         return None
     return ReasoningBudget(plan.reasoning_budget, close, open_, inside)
@@ -156,8 +157,8 @@ class _Primed:
     def feed(self, text: str) -> list[Event]:
         return self._take(self._parser.feed(text))
 
-    def finish(self) -> list[Event]:
-        return self._take(self._parser.finish())
+    def finish(self, *, truncated: bool = False) -> list[Event]:
+        return self._take(self._parser.finish(truncated=truncated))
 
 
 def new_parser(prep: Prepared, plan: ChatPlan) -> parsers.Parser:

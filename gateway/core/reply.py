@@ -105,7 +105,7 @@ async def parsed(
                 yield kept
             continue
         reply.done = item
-        kept = reply.record(parser.finish())
+        kept = reply.record(parser.finish(truncated=item.reason is FinishReason.LENGTH))
         if kept:
             yield kept
         error = failure(item)

@@ -104,7 +104,7 @@ async def _stream_choice(
                 yield sse_data(fmt.chunk(delta, index=index, logprobs=lp if i == 0 else None))
             continue
         state.done = event
-        for delta in out.deltas(parser.finish()):
+        for delta in out.deltas(parser.finish(truncated=event.reason is FinishReason.LENGTH)):
             yield sse_data(fmt.chunk(delta, index=index))
         error = failure(event)
         if error is not None:
@@ -146,8 +146,8 @@ async def _collect_choice(
             state.logprobs.extend(event.logprobs)
         else:
             state.done = event
-    state.out.deltas(parser.finish())
     assert state.done is not None
+    state.out.deltas(parser.finish(truncated=state.done.reason is FinishReason.LENGTH))
     error = failure(state.done)
     if error is not None:
         raise error
