@@ -347,8 +347,9 @@ def test_a_stopped_engine_answers_503_with_retry_after(smollm2_gguf: Path) -> No
         assert httpx.get(f"{url}/health").status_code == 503
 
 
-_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+_CITY: dict[str, Any] = {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}  # fmt: skip
+_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": _CITY}}
 
 
 @pytest.fixture(scope="module")
@@ -371,18 +372,20 @@ def test_tool_markup_cut_off_by_max_tokens_is_not_content(
     body = chat_body(post(url, CHAT, chat))
     (choice,) = body.choices
     assert choice.finish_reason == "length" and not choice.message.content
-    assert [c.function.name for c in choice.message.tool_calls or []] == ["get_weather"]
+    assert [c.model_dump()["function"]["name"] for c in choice.message.tool_calls or []] == [
+        "get_weather"
+    ]
     chunks = chat_chunks(stream(url, CHAT, chat))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert not "".join(d.content or "" for d in deltas)
     assert sum(len(d.tool_calls or []) for d in deltas if d.tool_calls and d.tool_calls[0].id) == 1
     anthropic_body = {"model": MODEL, "max_tokens": 3, "messages": HELLO, "tools": [
-        {"name": "get_weather", "input_schema": _WEATHER["function"]["parameters"]}]}  # fmt: skip
+        {"name": "get_weather", "input_schema": _CITY}]}  # fmt: skip
     message = post(url, "/v1/messages", anthropic_body).json()
     assert message["stop_reason"] == "max_tokens"
     assert [b["type"] for b in message["content"]] == ["tool_use"]
     responses_body = {"model": MODEL, "input": "Weather?", "max_output_tokens": 3,
-                      "tools": [{"type": "function", **_WEATHER["function"]}]}  # fmt: skip
+                      "tools": [{"type": "function", "name": "get_weather", "parameters": _CITY}]}  # fmt: skip
     response = post(url, "/v1/responses", responses_body).json()
     assert [item["type"] for item in response["output"]] == ["function_call"]
     runner.text = [call, "Done."]  # a natural end after text: nothing is dropped
