@@ -190,7 +190,10 @@ class PrefixCache(Generic[C]):
         frontier = self._path[-1]
         if offset <= frontier.end:
             return
-        self._path += self._trie.advance(frontier, lease.tokens[frontier.end : offset], self._tick)
+        added = self._trie.advance(
+            frontier, lease.tokens[frontier.end : offset], self._tick, self._pinned
+        )
+        self._path += added
         self._fill(self._path[-1])
         self._enforce_budget()
 
@@ -272,7 +275,7 @@ class PrefixCache(Generic[C]):
         branch = matched
         while True:
             held = self._live_common(path, matched)
-            target, plans = plan_restore(self._caches, path, matched, held, use_disk)
+            target, plans = self._plan(path, matched, held, use_disk)
             inner = next((j for j, n in enumerate(path) if n.start < target < n.end), None)
             if inner is not None:
                 upper = self._trie.split(path[inner], target)
@@ -297,6 +300,14 @@ class PrefixCache(Generic[C]):
         mx.eval([a for c in self._caches for a in c.state])
         self._enforce_budget()
         return target, branch, False
+
+    def _plan(
+        self, path: list[Node], matched: int, live: int, use_disk: bool
+    ) -> tuple[int, list[Plan]]:
+        """The deepest offset every layer reaches, and each layer's steps. (A pipeline
+        rank of a distributed group holds some layers only: the ranks agree on the
+        offset, runtime/distributed/replica.py.)"""
+        return plan_restore(self._caches, path, matched, live, use_disk)
 
     def _live_common(self, path: list[Node], matched: int) -> int:
         """How many of the matched tokens the live caches already hold."""
@@ -360,12 +371,22 @@ class PrefixCache(Generic[C]):
     def _snapshot_points(
         self, length: int, reused: int, branch: int, boundaries: Sequence[int] = ()
     ) -> tuple[int, ...]:
-        if all(c.rewindable for c in self._caches):
+        if self._all_rewindable():
             return ()  # live state rewinds anywhere; paging out covers the rest
         step = self.snapshot_interval
         points = {branch, length - self.tail_keep, *boundaries[-MAX_BOUNDARIES:]}
         points.update(range((reused // step + 1) * step, length, step))
         return tuple(sorted(p for p in points if reused < p < length))
+
+    def _pinned(self, leaf: Node) -> bool:
+        """Whether a snapshot pins `leaf`'s end, so that the trie adds a node after it
+        instead of growing it (a pipeline rank answers for the whole group's layers)."""
+        return leaf.has_snapshots()
+
+    def _all_rewindable(self) -> bool:
+        """Whether every layer's live state rewinds anywhere (then prefill never pauses
+        for snapshots; a pipeline rank answers for the whole group's layers)."""
+        return all(c.rewindable for c in self._caches)
 
     # -- recording, clearing --
 
@@ -383,7 +404,9 @@ class PrefixCache(Generic[C]):
         shared = min(held, len(lease.tokens))
         if held < frontier.end or keys[:shared] != lease.tokens[:shared]:
             return False
-        self._path += self._trie.advance(frontier, keys[frontier.end : held], self._tick)
+        self._path += self._trie.advance(
+            frontier, keys[frontier.end : held], self._tick, self._pinned
+        )
         for node in self._path:
             node.last_used = self._tick
         return True

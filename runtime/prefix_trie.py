@@ -10,7 +10,7 @@ in runtime/prefix_cache.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, runtime_checkable
 
@@ -253,9 +253,16 @@ class Trie:
         node.parent = None
         self.set_snapshots(node, [])
 
-    def advance(self, frontier: Node, keys: Sequence[Key], last_used: int) -> list[Node]:
+    def advance(
+        self,
+        frontier: Node,
+        keys: Sequence[Key],
+        last_used: int,
+        pinned: Callable[[Node], bool] = Node.has_snapshots,
+    ) -> list[Node]:
         """Record `keys` after `frontier`: follow matching children (splitting a partly
-        matched one), then add the rest as a new node, or extend a bare leaf in place.
+        matched one), then add the rest as a new node, or extend a bare leaf in place
+        (one whose end no snapshot pins: `pinned`, asked only of a childless leaf).
 
         Returns the nodes now below `frontier` on this path, in order (possibly none when
         `frontier` itself grew).
@@ -273,7 +280,7 @@ class Trie:
             node, pos = child, pos + n
         if pos < len(keys):
             rest = tuple(keys[pos:])
-            if node is not self.root and not node.children and not node.has_snapshots():
+            if node is not self.root and not node.children and not pinned(node):
                 # a bare leaf: no snapshot pins its end, so it can grow
                 node.keys += rest
                 node.end += len(rest)

@@ -24,8 +24,14 @@ leaves the batch, what goes back to the trie) every rank derives itself with the
 code, and a digest of each rank's state rides in every round: a rank that drifts stops
 the group with a clear error instead of serving garbage. The other cut, followers
 replaying a log of rank 0's cache operations, would need a second copy of the
-scheduler's and the trie's logic; this one needs four small hooks (the scheduler's
-`_rates` and `_agree`, the trie's `_evict_over_budget`, the runner's `*_type`).
+scheduler's and the trie's logic; this one needs a few small hooks (the scheduler's
+`_rates` and `_agree`, the trie's `_evict_over_budget`, `_plan` and `_all_rewindable`,
+the runner's `*_type`).
+
+Pipeline stages hold different layers, so decisions that depend on the kinds of cache
+(which prefix a request restores, where its prefill pauses for snapshots, whether a
+chunk rides on a decode step) would differ per rank: the ranks agree on those with a
+small all_sum where they are made (replica.py), at the same point of the same step.
 
 Failure: a collective that raises, or a round or step that outruns its bound
 (`timeout` plus three times the step's expected time, or `slow_bound` for a prefill
@@ -51,11 +57,13 @@ from runtime.distributed.replica import (
     LockstepScheduler,
     Replica,
     WireRequest,
+    agree_over,
     fingerprint,
     share_over,
     state_digest,
     wire,
 )
+from runtime.distributed.shard import shard_info
 from runtime.runner import ModelRunner, RunnerSettings
 from runtime.types import Finished, FinishReason
 
@@ -103,6 +111,11 @@ class Lockstep(ModelRunner):
         self.lockstep = cast(LockstepScheduler, self.scheduler)
         self.lockstep.share = share_over(channel.group)  # no reference back to the runner
         self.trie = cast(LockstepPrefixCache[Any], self.prefix)
+        info = shard_info(loaded.model)
+        if info is not None and info.mode == "pipeline" and info.size > 1:
+            # stages hold different layers, whose caches differ in kind: the group agrees
+            # on what depends on the kinds (replica.py)
+            self.lockstep.agree = self.trie.agree = agree_over(channel.group)
         self.replicas: dict[int, Replica] = {}
         self.digest = self.state_digest()
         self._stream_thread = 0  # the thread whose stream `_stream` is

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 import numpy as np
@@ -17,12 +17,16 @@ import numpy as np
 from runtime.cache import LayerCache
 from runtime.handle import RequestHandle, _ThreadSink
 from runtime.prefix_cache import PrefixCache
+from runtime.prefix_plan import Plan, plan_restore
+from runtime.prefix_trie import Node
 from runtime.sampling import Sampler, SampleResult
 from runtime.scheduler import FUSED_SHARE, Scheduler, _Seq
-from runtime.types import GenerationEvent, GenerationRequest, SamplingParams
+from runtime.types import Finished, GenerationEvent, GenerationRequest, SamplingParams
 
 C = TypeVar("C", bound=LayerCache)
 WireRequest = dict[str, Any]  # a request in a round's JSON (see `wire`)
+# flags in, for each whether it holds on every rank (an all_sum: a collective)
+Agree = Callable[[Sequence[bool]], list[bool]]
 
 # Before a decode step was measured, it counts as a forward of this many prompt tokens:
 # generous (on a CPU BLAS one decode step costs what a few prompt tokens do)
@@ -96,12 +100,25 @@ class Placeholder(Sampler):
 
 class LockstepScheduler(Scheduler):
     """The scheduler, with rank 0's timings (`rates`, set before every step) and its
-    sampled tokens (`share`, an all_sum over the group)."""
+    sampled tokens (`share`, an all_sum over the group). Pipeline stages hold different
+    layers, so whether a prefill chunk may ride on a decode step (every layer a token
+    cache) and whether every layer rewinds (the trie's snapshot points) are agreed by the
+    group (`agree`) at the first step, when every rank is there."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.rates = (0.0, 0.0)  # rank 0's (decode step seconds, prefill tokens/s)
         self.share: Callable[[mx.array], mx.array] | None = None
+        self.agree: Agree | None = None
+        self._agreed = False
+
+    def step(self) -> list[tuple[RequestHandle, Finished]]:
+        if self.agree is not None and not self._agreed:
+            # before the first admission: the trie's snapshot points depend on it
+            trie = cast(LockstepPrefixCache[Any], self.prefix)
+            self._fuse, trie.rewindable = self.agree([self._fuse, trie.own_rewindable()])
+            self._agreed = True
+        return super().step()
 
     def _rates(self) -> tuple[float, float]:
         return self.rates
@@ -168,12 +185,58 @@ class LockstepPrefixCache(PrefixCache[C]):
     """The prefix cache, evicting only between steps: rank 0 decides (`decide_evictions`,
     its own bytes against its own limit) and names its victims; the other ranks evict the
     same nodes (`replay_evictions`). Between those points nothing is evicted, so every
-    rank's trie changes the same way."""
+    rank's trie changes the same way.
+
+    A pipeline stage's caches are its layers' only, and what a prefix can be restored
+    from, and whether prefill pauses for snapshots, depend on the kinds of cache (a
+    stage of attention layers rewinds anywhere, a recurrent one only to its snapshots).
+    With `agree` set, the ranks agree on the deepest offset every rank's layers reach,
+    where a restore is planned, and on whether a leaf may grow (no rank's snapshot pins
+    its end); whether every rank's layers rewind is agreed once, at the scheduler's
+    first step (`rewindable`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deciding = False
         self._victims: list[list[int]] = []
+        self.agree: Agree | None = None
+        self.rewindable: bool | None = None  # every rank's layers, once agreed
+
+    def _plan(
+        self, path: list[Node], matched: int, live: int, use_disk: bool
+    ) -> tuple[int, list[Plan]]:
+        if self.agree is None:
+            return super()._plan(path, matched, live, use_disk)
+        # the offsets the planner tries (prefix_plan.plan_restore): the same on every
+        # rank, since every rank's trie has the same nodes and live path
+        candidates = sorted({0, matched, live, *(n.end for n in path if n.end < matched)})
+        reached = [self._reaches(path, t, live, use_disk) for t in candidates]
+        everyone = self.agree(reached)
+        target = max(t for t, ok in zip(candidates, everyone, strict=True) if ok)
+        planned, plans = plan_restore(self._caches, path, target, min(live, target), use_disk)
+        if planned != target:
+            raise Diverged(f"the group agreed on offset {target}; this rank reaches {planned}")
+        return target, plans
+
+    def _reaches(self, path: list[Node], target: int, live: int, use_disk: bool) -> bool:
+        """Whether every layer here reaches `target` (the planner's deepest try, with
+        nothing past `target` to try)."""
+        return plan_restore(self._caches, path, target, min(live, target), use_disk)[0] == target
+
+    def _pinned(self, leaf: Node) -> bool:
+        if self.agree is None:
+            return super()._pinned(leaf)
+        # asked of a childless leaf only, which every rank's trie has alike: a collective
+        # at the same point on every rank
+        (bare,) = self.agree([not leaf.has_snapshots()])
+        return not bare
+
+    def own_rewindable(self) -> bool:
+        """Whether this rank's layers rewind anywhere."""
+        return super()._all_rewindable()
+
+    def _all_rewindable(self) -> bool:
+        return self.own_rewindable() if self.rewindable is None else self.rewindable
 
     def _evict_over_budget(self, active: set[int]) -> None:
         if self._deciding:
@@ -229,6 +292,19 @@ def share_over(group: mx.distributed.Group) -> Callable[[mx.array], mx.array]:
         return mx.distributed.all_sum(tokens, group=group)
 
     return share
+
+
+def agree_over(group: mx.distributed.Group) -> Agree:
+    """`Agree` over `group`: one all_sum of the flags, read back at once."""
+    size = int(group.size())
+
+    def agree(flags: Sequence[bool]) -> list[bool]:
+        summed = mx.distributed.all_sum(mx.array([int(f) for f in flags], mx.int32), group=group)
+        mx.eval(summed)
+        counts = cast(list[int], summed.tolist())
+        return [count == size for count in counts]
+
+    return agree
 
 
 def state_digest(scheduler: LockstepScheduler, prefix: LockstepPrefixCache[Any]) -> int:

@@ -1,0 +1,146 @@
+"""The lockstep engine (runtime/distributed) serves as one process does, for every
+architecture, tensor and pipeline parallel, over 2 and 4 processes.
+
+One `mlx.launch` per group size (ring backend, loopback) runs tests/
+distributed_engine_worker.py: for each tiny random model (llama, qwen2, qwen3, gemma3
+text with its sliding window, qwen3_moe, glm4_moe, deepseek_v3's MLA, qwen3_next,
+qwen3_5 and qwen3_5_moe hybrids) and each mode, every rank loads its part and serves as
+`mlx-gateway serve --distributed` does: rank 0 an Engine whose LockstepRunner leads, the
+others follow. Rank 0 submits the same greedy requests the single-process Engine got
+(same runner settings): five at once with mixed prompt lengths (the batch, prefills in
+chunks and riding on decode steps, a one-token prompt), one of them cancelled after two
+tokens and one sharing a prefix with another (the trie hits); then a conversation goes
+on and a prompt comes again. Each request's tokens, ending, token counts and cached
+tokens equal the single process's (the cancelled one's tokens as far as both ran), so
+do the prefix trie's hit counts, and no rank's state ever drifted from rank 0's (the
+group checks that every round, and every follower ends cleanly).
+
+HTTP on top is tests/test_distributed_serve.py's (one model, two ranks): here the
+engine alone, so that every architecture fits in the time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from tests.test_distributed_shard import LAUNCH, _builders, _free_ports
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "distributed_engine_worker.py"
+MODES = ("tensor", "pipeline")
+LAUNCH_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every tiny model saved as a checkpoint, with the single-process engine's results."""
+    if not mx.distributed.is_available("ring"):
+        pytest.skip("this MLX build has no ring backend (mx.distributed.is_available)")
+    if not LAUNCH.exists():
+        pytest.skip(f"no mlx.launch next to {sys.executable}")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from runtime.loader import load
+    from tests import tiny_models
+    from tests.distributed_engine_worker import single_process
+
+    root = tmp_path_factory.mktemp("distributed_engine")
+    for name, (builder, spread) in _builders().items():
+        folder = root / name
+        tiny_models.save_tiny((builder, None), folder, seed=3, spread=spread)
+        tiny_models.write_tokenizer(folder, tiny_models.VOCAB)
+        reference = single_process(load(folder, dtype="float32"))
+        (folder / "reference.json").write_text(json.dumps({**reference, "modes": MODES}))
+    return root
+
+
+def _launch(size: int, cases: Path, out: Path) -> str:
+    command = [
+        str(LAUNCH),
+        "-n",
+        str(size),
+        "--backend",
+        "ring",
+        "--starting-port",
+        str(_free_ports(size)),
+        "--python",
+        sys.executable,
+        str(WORKER),
+        str(cases),
+        str(out),
+    ]
+    # ranks share the two cores: one BLAS thread each
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own session: its ranks only
+        output, _ = proc.communicate()
+        pytest.fail(f"{size} ranks did not finish in {LAUNCH_TIMEOUT} s:\n{output[-4000:]}")
+    assert proc.returncode == 0, f"{size} ranks failed:\n{output[-4000:]}"
+    return output
+
+
+def _same_requests(got: dict[str, Any], want: dict[str, Any], label: str) -> None:
+    """Every request as the single process served it; a cancelled one's tokens as far
+    as both ran (where the client's cancel lands is a matter of timing)."""
+    assert sorted(got) == sorted(want), label
+    for name, expected in want.items():
+        result = dict(got[name])
+        assert result["error"] is None, f"{label} {name}: {result['error']}"
+        if expected["reason"] == "cancelled":
+            assert result["reason"] == "cancelled", f"{label} {name}"
+            ran = min(len(result["tokens"]), len(expected["tokens"]))
+            assert ran >= 2 and result["tokens"][:ran] == expected["tokens"][:ran], (
+                f"{label} {name}: {result['tokens']} vs {expected['tokens']}"
+            )
+            assert result["completion"] == len(result["tokens"]), f"{label} {name}"
+            keep = ("prompt", "cached")
+            result = {k: result[k] for k in keep}
+            expected = {k: expected[k] for k in keep}
+        assert result == expected, f"{label} {name}"
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_every_architecture_generates_as_one_process(
+    size: int, cases: Path, tmp_path: Path
+) -> None:
+    output = _launch(size, cases, tmp_path)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(size)]
+    assert [(r["rank"], r["size"]) for r in reports] == [(r, size) for r in range(size)]
+    names = sorted(p.name for p in cases.iterdir() if p.is_dir())
+    expected_runs = [(name, mode) for name in names for mode in MODES]
+    for report in reports:
+        runs = [(r["case"], r["mode"]) for r in report["results"]]
+        assert runs == expected_runs, f"rank {report['rank']}:\n{output[-4000:]}"
+    for follower in reports[1:]:
+        for result in follower["results"]:
+            assert result["code"] == 0, f"{result} rank {follower['rank']}"
+    for result in reports[0]["results"]:
+        label = f"{result['case']} {result['mode']} over {size}"
+        reference = json.loads((cases / result["case"] / "reference.json").read_text())
+        assert result["lost"] is None, f"{label}: {result['lost']}"
+        _same_requests(result["requests"], reference["requests"], label)
+        assert result["prefix"] == reference["prefix"], label
+        assert result["prefix"]["hits"] >= 3, label  # branch, continued, again
+        assert result["max_batch_seen"] > 1, label  # they did run together
+        if reference["fusable"]:
+            assert result["fused_steps"] > 0, label
