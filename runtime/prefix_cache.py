@@ -578,6 +578,11 @@ class PrefixCache(Generic[C]):
 
     # -- inspection --
 
+    @property
+    def paged_bytes(self) -> int:
+        """Snapshot bytes held in memory (what the limit bounds)."""
+        return self._trie.paged_bytes
+
     def held_snapshots(self) -> list[Snapshot]:
         return [s for n in self._trie.walk() for s in n.snapshots if s is not None]
 

@@ -45,7 +45,7 @@ from safetensors.numpy import save_file
 
 from gateway.core.serving import EngineSettings, build_served
 from runtime.distributed.channel import Channel, Command, Round
-from runtime.distributed.replica import LockstepPrefixCache
+from runtime.distributed.replica import GroupMemory, LockstepPrefixCache
 from runtime.engine import Engine, EngineFailure, EngineState, EngineUnavailable, RequestHandle
 from runtime.types import Finished, FinishReason, GenerationRequest, TextDelta
 from tests.live_server import free_port, live_server
@@ -341,15 +341,30 @@ def test_pipeline_parallel_serves_as_one_process_and_a_killed_rank_gives_503s(
 
 def test_a_round_carries_rank_0s_decisions() -> None:
     """Over a group of one, a round comes back as sent: the JSON, the timings to the bit,
-    the batch's bytes and the step's bound; the rank's slot says it heard every round."""
+    the batch's bytes, the step's bound and memory; the rank's slot says it heard every
+    round, and what cache memory it holds (to the KiB)."""
     channel = Channel(mx.distributed.init(strict=False))
     payload = {"admit": [{"serial": 1, "prompt": list(range(3000))}], "cancel": [4]}
-    sent = Round(Command.STEP, payload, (0.123456789, 1234.5678), (2**40 + 3, 7), 2.5)
-    first = channel.send(sent, digest=99)
+    sent = Round(
+        Command.STEP, payload, (0.123456789, 1234.5678), (2**40 + 3, 7), 2.5, 3 * 2**40 + 1
+    )
+    first = channel.send(sent, digest=99, held=5 * 2**30 + 1500)
     second = channel.send(Round(Command.IDLE), digest=5)
     assert first.round == sent
     assert (first.number, first.seen, first.digests, first.present) == (1, (0,), (99,), (True,))
-    assert second.round == Round(Command.IDLE) and second.seen == (1,)
+    assert first.held == (5 * 2**30 + 1024,)
+    assert second.round == Round(Command.IDLE) and second.seen == (1,) and second.held == (0,)
+
+
+def test_rank_0_works_to_the_budget_of_the_rank_holding_most() -> None:
+    """Rank 0 decides by its own cache bytes; when another rank holds more of the same
+    tokens (a full-attention stage against rank 0's sliding windows), the budget it works
+    to shrinks by that ratio, and grows back when the shares even out."""
+    memory = GroupMemory(1000 * 2**20)
+    assert memory.update(()) == 1000 * 2**20  # the first round: nothing heard yet
+    assert memory.update((100 * 2**20, 400 * 2**20, 50 * 2**20)) == 250 * 2**20
+    assert memory.update((2**10, 2**20)) == 250 * 2**20  # too little held to say: unchanged
+    assert memory.update((200 * 2**20, 100 * 2**20)) == 1000 * 2**20  # rank 0 the largest
 
 
 def _serve_one(pc: LockstepPrefixCache[Any], model: HybridModel, prompt: list[int]) -> None:

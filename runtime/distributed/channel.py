@@ -4,8 +4,8 @@ comes back in the same collective.
 
 One exchange ("round") is an `all_sum` of a fixed-size int32 header: rank 0 writes the
 command and its step inputs, every rank writes its own slot (that it is there, how many
-rounds it has seen, a digest of its state), zeros elsewhere, so the sum is everyone's
-words. When rank 0 has more to say (admissions, cancellations, evictions) a second
+rounds it has seen, a digest of its state, the cache memory it holds), zeros elsewhere,
+so the sum is everyone's words. When rank 0 has more to say (admissions, cancellations, evictions) a second
 `all_sum` carries that many bytes of JSON from rank 0, zeros elsewhere. Both run on the
 caller's stream, after whatever it queued: every rank issues the same collectives in the
 same order, the only thing that keeps a collective group from mixing messages.
@@ -35,12 +35,14 @@ log = logging.getLogger(__name__)
 
 VERSION = 1
 _HEAD = 16  # header words before the per-rank slots
-_SLOT = 4  # words per rank: present, rounds seen, digest, spare
+_SLOT = 4  # words per rank: present, rounds seen, digest, cache memory held (KiB)
 # header words
 _VERSION, _COMMAND, _ROUND, _PAYLOAD = 0, 1, 2, 3
 _RATES = 4  # two float64: decode step seconds, prefill tokens/s (two words each)
 _ROW_BYTES = 8  # two int64: bytes per token, per row of the running batch
 _BOUND_MS = 12  # how long the coming step may take, in milliseconds
+_MEMORY = 13  # one int64: the cache memory every rank's scheduler works to, in bytes
+_KIB_MAX = 2**31 - 1
 
 
 class Command(IntEnum):
@@ -65,6 +67,7 @@ class Round:
     rates: tuple[float, float] = (0.0, 0.0)
     row_bytes: tuple[int, int] = (0, 0)
     bound: float = 0.0  # seconds the step after this round may take
+    memory: int = 0  # the cache memory the coming step works to (0: as it was)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class Heard:
     present: tuple[bool, ...]
     seen: tuple[int, ...]  # rounds each rank had completed before this one
     digests: tuple[int, ...]  # each rank's state digest, as it reported
+    held: tuple[int, ...] = ()  # each rank's cache memory in bytes (to the KiB)
 
 
 class Channel:
@@ -87,11 +91,11 @@ class Channel:
         self.size = int(group.size())
         self.rounds = 0  # rounds completed here
 
-    def send(self, message: Round, digest: int) -> Heard:
+    def send(self, message: Round, digest: int, held: int = 0) -> Heard:
         """Rank 0: say `message`; hear every rank's slot."""
         assert self.rank == 0, "only rank 0 sends"
         payload = _encode(message.payload)
-        head = self._header(digest)
+        head = self._header(digest, held)
         head[_VERSION] = VERSION
         head[_COMMAND] = int(message.command)
         head[_ROUND] = self.rounds + 1
@@ -99,17 +103,20 @@ class Channel:
         head[_RATES : _RATES + 4] = np.array(message.rates, np.float64).view(np.int32)
         head[_ROW_BYTES : _ROW_BYTES + 4] = np.array(message.row_bytes, np.int64).view(np.int32)
         head[_BOUND_MS] = min(int(message.bound * 1000), 2**31 - 1)
+        head[_MEMORY : _MEMORY + 2] = np.array([message.memory], np.int64).view(np.int32)
         return self._exchange(head, payload)
 
-    def receive(self, digest: int) -> Heard:
-        """A follower: hear rank 0's next round, reporting `digest`."""
+    def receive(self, digest: int, held: int = 0) -> Heard:
+        """A follower: hear rank 0's next round, reporting `digest` and the cache
+        memory it holds (`held` bytes)."""
         assert self.rank != 0, "rank 0 sends"
-        return self._exchange(self._header(digest), None)
+        return self._exchange(self._header(digest, held), None)
 
-    def _header(self, digest: int) -> np.ndarray:
+    def _header(self, digest: int, held: int) -> np.ndarray:
         head = np.zeros(_HEAD + _SLOT * self.size, np.int32)
         mine = _HEAD + _SLOT * self.rank
-        head[mine : mine + 3] = (1, self.rounds, digest & 0x7FFFFFFF)
+        kib = min(max(0, held) // 1024, _KIB_MAX)
+        head[mine : mine + 4] = (1, self.rounds, digest & 0x7FFFFFFF, kib)
         return head
 
     def _exchange(self, head: np.ndarray, payload: bytes | None) -> Heard:
@@ -132,6 +139,7 @@ class Channel:
             rates=_floats(summed[_RATES : _RATES + 4]),
             row_bytes=_ints(summed[_ROW_BYTES : _ROW_BYTES + 4]),
             bound=int(summed[_BOUND_MS]) / 1000,
+            memory=int(np.ascontiguousarray(summed[_MEMORY : _MEMORY + 2]).view(np.int64)[0]),
         )
         return Heard(
             round=message,
@@ -139,6 +147,7 @@ class Channel:
             present=tuple(bool(s[0]) for s in slots),
             seen=tuple(int(s[1]) for s in slots),
             digests=tuple(int(s[2]) for s in slots),
+            held=tuple(int(s[3]) * 1024 for s in slots),
         )
 
     def _all_sum(self, values: np.ndarray) -> np.ndarray:

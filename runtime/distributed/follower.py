@@ -56,7 +56,7 @@ class Follower(Lockstep):
             self._watchdog.arm(wait, "waiting for rank 0's next round")
             try:
                 with self._on_stream():
-                    heard = self.channel.receive(self.digest)
+                    heard = self.channel.receive(self.digest, self.lockstep.held_bytes())
             except Exception as exc:
                 log.error("lost rank 0: %s", exc)
                 return FAILED
@@ -118,6 +118,8 @@ class Follower(Lockstep):
             self.trie.replay_evictions(payload.get("evict", ()))
         self.lockstep.rates = message.rates
         self.lockstep.row_bytes = message.row_bytes
+        if message.memory:
+            self.lockstep.memory_bytes = message.memory
 
     def _admit(self, item: dict[str, Any]) -> None:
         serial, request, max_tokens = unwire(item)

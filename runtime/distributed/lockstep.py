@@ -15,6 +15,10 @@ round (runtime/distributed/channel.py) that opens each step:
   the batch's bytes per token that decide whether a new sequence fits;
 - prefix-cache evictions: bytes differ per shard, so no rank evicts on its own; rank 0
   evicts between steps and names its victims, which every rank evicts before the step;
+- the cache memory to work to: every rank reports what it holds in each round, and rank
+  0 scales the budget by its own share of the largest rank's (replica.GroupMemory), so
+  that a rank holding more of the same tokens (uneven head splits, a full-attention
+  stage against sliding windows) stays within it;
 - sampled tokens: rank 0 samples (its sampler, grammar and seed); the ids reach the other
   ranks inside the step's graph, one `all_sum` of the batch's tokens with zeros on the
   followers, so decoding stays pipelined (runtime/distributed/replica.py).
@@ -53,6 +57,7 @@ import mlx.core as mx
 
 from runtime.distributed.channel import Channel, Command, GroupLost, Heard, Round, Watchdog
 from runtime.distributed.replica import (
+    GroupMemory,
     LockstepPrefixCache,
     LockstepScheduler,
     Replica,
@@ -175,6 +180,8 @@ class LockstepRunner(Lockstep):
         self._stopped = False
         self._serial = 0
         self._admitted: list[WireRequest] = []
+        self._memory = GroupMemory(settings.cache_memory_bytes)
+        self._held: tuple[int, ...] = ()  # each rank's cache bytes, at the last round
         self._watchdog = Watchdog(self._expired, name="mlx-lockstep-watchdog")
         self._hello()
 
@@ -304,15 +311,20 @@ class LockstepRunner(Lockstep):
                 payload.update(self._inputs())
             rates = self.lockstep.measured()
             self.lockstep.rates = rates
-            message = Round(command, payload, rates, self.lockstep.row_bytes, bound)
+            if self.lockstep.memory_bytes:  # by what every rank held at the last round
+                self.lockstep.memory_bytes = self._memory.update(self._held)
+            memory = self.lockstep.memory_bytes
+            message = Round(command, payload, rates, self.lockstep.row_bytes, bound, memory)
+            held = self.lockstep.held_bytes()
         self._watchdog.arm(self.timeout + bound, what)
         try:
-            heard = self.channel.send(message, self.digest)
+            heard = self.channel.send(message, self.digest, held)
         except Exception as exc:
             self._lose(f"a rank left the group during {what} ({exc})")
             raise GroupLost(self.lost or str(exc)) from exc
         self._check(heard, what)
         self.digest = self.state_digest()  # what the followers report next time
+        self._held = heard.held
         return heard
 
     def _inputs(self) -> dict[str, Any]:

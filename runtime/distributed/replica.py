@@ -123,6 +123,11 @@ class LockstepScheduler(Scheduler):
     def _rates(self) -> tuple[float, float]:
         return self.rates
 
+    def held_bytes(self) -> int:
+        """The cache memory this rank holds: the running batch's and the trie's."""
+        batch = self._batch.nbytes if self._batch is not None else 0
+        return batch + self.prefix.paged_bytes
+
     def _agree(self, rows: list[_Seq]) -> None:
         if not rows or self.share is None:
             return
@@ -292,6 +297,26 @@ def share_over(group: mx.distributed.Group) -> Callable[[mx.array], mx.array]:
         return mx.distributed.all_sum(tokens, group=group)
 
     return share
+
+
+class GroupMemory:
+    """The cache memory the group's schedulers work to, so that the rank holding the
+    most stays within the budget. Every rank holds the same tokens, but in shares that
+    differ (uneven head splits; pipeline stages whose layers' caches differ in kind, a
+    sliding window's against a full one's): rank 0 decides by its own bytes, so it works
+    to the budget scaled by its own share of the largest rank's, as last reported."""
+
+    MIN_HELD = 1 << 20  # below this, a ratio says little: the last one stands
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.ratio = 1.0  # the largest rank's bytes over rank 0's
+
+    def update(self, held: Sequence[int]) -> int:
+        """The memory to work to, given each rank's bytes (rank 0's first)."""
+        if held and held[0] >= self.MIN_HELD:
+            self.ratio = max(1.0, max(held) / held[0])
+        return int(self.budget / self.ratio)
 
 
 def agree_over(group: mx.distributed.Group) -> Agree:
