@@ -55,6 +55,7 @@ def default_cache_memory_bytes() -> int:
 
 
 DEFAULT_PREFIX_CACHE_DISK_BYTES = 8 * 1024**3
+DEFAULT_BUFFER_CACHE_BYTES = 256 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,10 @@ class RunnerSettings:
     # the running batch's caches and the prefix trie's snapshots in memory share this:
     # a request whose batch would not fit waits, the trie gives way to the batch
     cache_memory_bytes: int = field(default_factory=default_cache_memory_bytes)
+    # freed MLX buffers kept for reuse (process-wide). MLX keeps up to its memory limit
+    # by default, so a server's resident memory followed its busiest moment, not its live
+    # data; decode steps reuse far less than this, prefill chunks clear it anyway
+    buffer_cache_bytes: int = DEFAULT_BUFFER_CACHE_BYTES
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, settings: RunnerSettings | None = None) -> None:
         self.loaded = loaded
         self.settings = settings or RunnerSettings()
+        mx.set_cache_limit(self.settings.buffer_cache_bytes)
         tok = loaded.tokenizer
         self._detok_table = DetokenizerTable.build(tok.hf, tok.special_ids)
         self.prefix: PrefixCache[Any] = self.prefix_cache_type(
