@@ -22,9 +22,6 @@ engine alone, so that every architecture fits in the time.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from tests.test_distributed_shard import LAUNCH, _builders, _free_ports
+from tests.test_distributed_shard import LAUNCH, _builders, launch_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "distributed_engine_worker.py"
@@ -63,42 +60,6 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _launch(size: int, cases: Path, out: Path) -> str:
-    command = [
-        str(LAUNCH),
-        "-n",
-        str(size),
-        "--backend",
-        "ring",
-        "--starting-port",
-        str(_free_ports(size)),
-        "--python",
-        sys.executable,
-        str(WORKER),
-        str(cases),
-        str(out),
-    ]
-    # ranks share the two cores: one BLAS thread each
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own session: its ranks only
-        output, _ = proc.communicate()
-        pytest.fail(f"{size} ranks did not finish in {LAUNCH_TIMEOUT} s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"{size} ranks failed:\n{output[-4000:]}"
-    return output
-
-
 def _same_requests(got: dict[str, Any], want: dict[str, Any], label: str) -> None:
     """Every request as the single process served it; a cancelled one's tokens as far
     as both ran (where the client's cancel lands is a matter of timing)."""
@@ -123,7 +84,7 @@ def _same_requests(got: dict[str, Any], want: dict[str, Any], label: str) -> Non
 def test_every_architecture_generates_as_one_process(
     size: int, cases: Path, tmp_path: Path
 ) -> None:
-    output = _launch(size, cases, tmp_path)
+    output = launch_workers(size, WORKER, cases, tmp_path, LAUNCH_TIMEOUT)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(size)]
     assert [(r["rank"], r["size"]) for r in reports] == [(r, size) for r in range(size)]
     names = sorted(p.name for p in cases.iterdir() if p.is_dir())

@@ -633,7 +633,11 @@ def _free_ports(count: int) -> int:
     raise RuntimeError(f"no {count} consecutive free ports")
 
 
-def _launch(size: int, cases: Path, out: Path) -> str:
+def launch_workers(
+    size: int, worker: Path, cases: Path, out: Path, timeout: float = LAUNCH_TIMEOUT
+) -> str:
+    """`size` ranks of `worker CASES OUT` under mlx.launch (ring backend, loopback), one
+    BLAS thread each (they share the two cores); their output, once all succeeded."""
     command = [
         str(LAUNCH),
         "-n",
@@ -644,11 +648,10 @@ def _launch(size: int, cases: Path, out: Path) -> str:
         str(_free_ports(size)),
         "--python",
         sys.executable,
-        str(WORKER),
+        str(worker),
         str(cases),
         str(out),
     ]
-    # ranks share the two cores: one BLAS thread each
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         command,
@@ -660,17 +663,17 @@ def _launch(size: int, cases: Path, out: Path) -> str:
         start_new_session=True,
     )
     try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+        output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own session: its ranks only
         output, _ = proc.communicate()
-        pytest.fail(f"{size} ranks did not finish in {LAUNCH_TIMEOUT} s:\n{output[-4000:]}")
+        pytest.fail(f"{size} ranks did not finish in {timeout} s:\n{output[-4000:]}")
     assert proc.returncode == 0, f"{size} ranks failed:\n{output[-4000:]}"
     return output
 
 
 def _reports(size: int, cases: Path, out: Path) -> list[dict[str, Any]]:
-    output = _launch(size, cases, out)
+    output = launch_workers(size, WORKER, cases, out)
     missing = [r for r in range(size) if not (out / f"rank{r}.json").exists()]
     assert not missing, f"ranks {missing} of {size} wrote no report:\n{output[-4000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(size)]
