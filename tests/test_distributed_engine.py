@@ -22,14 +22,12 @@ engine alone, so that every architecture fits in the time.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import pytest
 
-from tests.test_distributed_shard import LAUNCH, _builders, launch_workers
+from tests.test_distributed_shard import launch_workers, save_every_architecture
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "distributed_engine_worker.py"
@@ -40,24 +38,14 @@ LAUNCH_TIMEOUT = 300
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every tiny model saved as a checkpoint, with the single-process engine's results."""
-    if not mx.distributed.is_available("ring"):
-        pytest.skip("this MLX build has no ring backend (mx.distributed.is_available)")
-    if not LAUNCH.exists():
-        pytest.skip(f"no mlx.launch next to {sys.executable}")
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from runtime.loader import load
-    from tests import tiny_models
     from tests.distributed_engine_worker import single_process
 
-    root = tmp_path_factory.mktemp("distributed_engine")
-    for name, (builder, spread) in _builders().items():
-        folder = root / name
-        tiny_models.save_tiny((builder, None), folder, seed=3, spread=spread)
-        tiny_models.write_tokenizer(folder, tiny_models.VOCAB)
-        reference = single_process(load(folder, dtype="float32"))
-        (folder / "reference.json").write_text(json.dumps({**reference, "modes": MODES}))
-    return root
+    def reference(loaded: Any, folder: Path) -> None:
+        (folder / "reference.json").write_text(
+            json.dumps({**single_process(loaded), "modes": MODES})
+        )
+
+    return save_every_architecture(tmp_path_factory.mktemp("distributed_engine"), reference)
 
 
 def _same_requests(got: dict[str, Any], want: dict[str, Any], label: str) -> None:

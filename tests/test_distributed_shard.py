@@ -557,6 +557,26 @@ def _quantize_folder(src: Path, dst: Path) -> None:
     tiny_models.write_tokenizer(dst, tiny_models.VOCAB)
 
 
+def save_every_architecture(root: Path, reference: Callable[[Any, Path], None]) -> Path:
+    """`root` with every tiny model of `_builders` saved in a folder of its own, and
+    `reference(loaded model, folder)` run on each; skips where mlx.launch cannot run."""
+    if not mx.distributed.is_available("ring"):
+        pytest.skip("this MLX build has no ring backend (mx.distributed.is_available)")
+    if not LAUNCH.exists():
+        pytest.skip(f"no mlx.launch next to {sys.executable}")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from runtime.loader import load
+    from tests import tiny_models
+
+    for name, (builder, spread) in _builders().items():
+        folder = root / name
+        tiny_models.save_tiny((builder, None), folder, seed=3, spread=spread)
+        tiny_models.write_tokenizer(folder, tiny_models.VOCAB)
+        reference(load(folder, dtype="float32"), folder)
+    return root
+
+
 # widths for 4-bit groups of 32 that still hold whole groups per rank over 4 ranks
 # (o_proj's 128 inputs, down_proj's 256)
 _QUANTIZED = {
@@ -572,22 +592,11 @@ _QUANTIZED = {
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every tiny model saved as a checkpoint, with the single-process run's results."""
-    if not mx.distributed.is_available("ring"):
-        pytest.skip("this MLX build has no ring backend (mx.distributed.is_available)")
-    if not LAUNCH.exists():
-        pytest.skip(f"no mlx.launch next to {sys.executable}")
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
     from runtime.loader import load
     from tests import tiny_models, tiny_moe
     from tests.distributed_worker import write_reference
 
-    root = tmp_path_factory.mktemp("distributed")
-    for name, (builder, spread) in _builders().items():
-        folder = root / name
-        tiny_models.save_tiny((builder, None), folder, seed=3, spread=spread)
-        tiny_models.write_tokenizer(folder, tiny_models.VOCAB)
-        write_reference(load(folder, dtype="float32"), folder)
+    root = save_every_architecture(tmp_path_factory.mktemp("distributed"), write_reference)
     source = tmp_path_factory.mktemp("unquantized")
     tiny_models.save_tiny(
         (lambda: tiny_moe._qwen3_moe(**_QUANTIZED), None),
