@@ -32,6 +32,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.cli.errors import FAILED, CliError
 from gateway.core.errors import APIError
 from gateway.core.models_registry import ModelRegistry
+from gateway.core.settings import ServerSettings
+from gateway.head_deadline import head_deadline_protocol
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +153,14 @@ def run_server(
     """Serve until a signal, drained as above; the process's exit status. A startup
     that fails (the default model does not load) is a CliError."""
     guard = StartupGuard(app)
+    settings: ServerSettings = app.state.settings
     config = uvicorn.Config(
-        guard, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(FLUSH_S)
+        guard,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=int(FLUSH_S),
+        http=head_deadline_protocol(settings.head_timeout_seconds),
     )
     try:
         DrainingServer(config, app, grace).run()

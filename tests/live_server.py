@@ -15,6 +15,7 @@ from gateway.app import create_app
 from gateway.core.models_registry import ModelRegistry
 from gateway.core.served import ServedModel
 from gateway.core.settings import ServerSettings
+from gateway.head_deadline import head_deadline_protocol
 
 
 def free_port() -> int:
@@ -34,7 +35,8 @@ def live_server(
     Config (e.g. log_level="info", log_config=None to see its logs in caplog)."""
     port = free_port()
     app = create_app(load, settings)
-    options = {"log_level": "warning", **uvicorn_options}
+    head = (settings or ServerSettings()).head_timeout_seconds
+    options = {"log_level": "warning", "http": head_deadline_protocol(head), **uvicorn_options}
     config = uvicorn.Config(app, host="127.0.0.1", port=port, **options)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)

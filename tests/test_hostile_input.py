@@ -5,7 +5,8 @@ non-zero exit), and nothing else changes: the server goes on serving.
 - chat templates that try to escape the sandbox or to run without end, and message
   content that looks like a template (it is data);
 - (images: tests/test_hostile_images.py);
-- a client that trickles its body: 408, the engine unaffected;
+- a client that trickles its body, or its headers, or sends nothing: 408 and the
+  connection closed, the engine unaffected;
 - 1,000 connections at once: the bounded queue answers 429, memory stays bounded;
 - the API key compared in constant time, and no prompt or completion text in logs at
   info level, error paths included.
@@ -387,7 +388,7 @@ def _trickle(url: str, path: str, seconds: float = 10.0) -> tuple[bytes, float]:
 def impatient(smollm2_gguf: Path) -> Iterator[str]:
     """A server that gives a request body 1 s to arrive (the default is 60 s: under a
     burst of connections, a busy event loop reads bodies late)."""
-    settings = ServerSettings(body_timeout_seconds=1.0)
+    settings = ServerSettings(body_timeout_seconds=1.0, head_timeout_seconds=1.0)
     with live_server(lambda: _scripted(smollm2_gguf, Runner(), max_queue=4), settings) as url:
         yield url
 
@@ -558,3 +559,69 @@ def test_unreadable_tool_arguments_are_logged_without_their_text(
     assert [m for level, m in shown if level >= logging.INFO and MARK not in m]
     assert not [m for level, m in shown if level >= logging.INFO and MARK in m]
     assert [m for level, m in shown if level == logging.DEBUG and MARK in m]
+
+
+def _late_head(
+    url: str, first: bytes, trickle: bytes, seconds: float = 10.0
+) -> tuple[bytes, float]:
+    """Send `first`, then `trickle` a byte every 0.1 s (a head that never ends); what the
+    server answered until it closed, and when it closed."""
+    host, port = url.removeprefix("http://").split(":")
+    received = b""
+    started = time.monotonic()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(first)
+        sock.settimeout(0.1)
+        i = 0
+        while time.monotonic() - started < seconds:
+            try:
+                if i < len(trickle):
+                    sock.sendall(trickle[i : i + 1])
+                    i += 1
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not chunk:
+                break
+            received += chunk
+    return received, time.monotonic() - started
+
+
+@pytest.mark.real_model
+def test_a_trickled_or_missing_head_gets_408_and_the_server_serves_on(impatient: str) -> None:
+    """A connection that sends nothing, or trickles its headers, or (kept alive after a
+    request) trickles the next one's: closed after the head timeout (1 s here) with a 408,
+    while other requests are served."""
+    url = impatient
+    host = url.removeprefix("http://")
+    trickled = f"Host: {host}\r\ncontent-type: application/json\r\nx-pad: {'a' * 200}\r\n"
+    cases = {
+        "silent": (b"", b""),
+        "trickled": (b"POST /v1/chat/completions HTTP/1.1\r\n", trickled.encode()),
+        "after a request": (
+            f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\nGET /health HTTP/1.1\r\n".encode(),
+            trickled.encode(),
+        ),
+    }
+    results: dict[str, tuple[bytes, float]] = {}
+
+    def late(name: str) -> None:
+        results[name] = _late_head(url, *cases[name])
+
+    threads = [threading.Thread(target=late, args=(name,)) for name in cases]
+    for t in threads:
+        t.start()
+    _ok(url)
+    for t in threads:
+        t.join()
+    for name, (raw, elapsed) in results.items():
+        assert 0.9 < elapsed < 5, (name, elapsed)
+        answers = raw.split(b"HTTP/1.1 ")[1:]
+        if name == "after a request":
+            assert answers[0].startswith(b"200"), raw  # the first request was answered
+            answers = answers[1:]
+        assert len(answers) == 1 and answers[0].startswith(b"408"), (name, raw)
+        assert b"headers did not arrive within 1 s" in answers[0]
+    _ok(url)

@@ -30,6 +30,9 @@ class ServerSettings:
     # the most a request body may take to arrive: a client that trickles it (slowloris)
     # gets a 408 and the connection closes, instead of holding it open for ever
     body_timeout_seconds: float = 60.0
+    # the most a request's head (request line and headers) may take, from the connection
+    # or its first byte: a 408 and the connection closes (gateway/head_deadline.py)
+    head_timeout_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -40,5 +43,5 @@ class ServerSettings:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.keepalive_seconds <= 0:
             raise ValueError("keepalive_seconds must be positive")
-        if self.body_timeout_seconds <= 0:
-            raise ValueError("body_timeout_seconds must be positive")
+        if self.body_timeout_seconds <= 0 or self.head_timeout_seconds <= 0:
+            raise ValueError("body_timeout_seconds and head_timeout_seconds must be positive")
