@@ -99,6 +99,7 @@ SHAPES = [
     (1, 2, 1, 257, 1000, 16),
     (1, 3, 3, 40, 300, 80),
     (1, 14, 2, 5, 3000, 64),  # a short chunk over a long context (MIN_SCORES)
+    (1, 14, 2, 48, 9000, 64),  # past 8k keys (an agent's first prompt)
 ]
 
 
