@@ -1,4 +1,5 @@
-"""A HF-style config.json dict from a GGUF's metadata (llama, qwen2, qwen3, gemma3).
+"""A HF-style config.json dict from a GGUF's metadata (llama, qwen2, qwen3, gemma3, and
+the mixture-of-experts qwen3moe, glm4moe, deepseek2 through runtime/gguf_moe.py).
 
 Keys follow llama.cpp's ``{arch}.*`` hyperparameters; what GGUF leaves implicit is
 filled in the way llama.cpp does it (noted where it happens).
@@ -14,6 +15,8 @@ from typing import Any
 import numpy as np
 
 from runtime.gguf import GGUFFile
+from runtime.gguf_meta import arch_float, arch_int, require_int
+from runtime.gguf_moe import MOE_CONFIGS
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +26,9 @@ _ARCHITECTURES: Mapping[str, tuple[str, str]] = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"),
+    "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 
 # llama.cpp uses every 6th gemma3 layer as global attention when the file does not say.
@@ -35,31 +41,16 @@ def supported_architectures() -> list[str]:
     return sorted(_ARCHITECTURES)
 
 
-def _int(gf: GGUFFile, key: str, default: int | None = None) -> int | None:
-    value = gf.arch_get(key)
-    if value is None:
-        return default
-    if isinstance(value, np.ndarray):
-        # per-layer arrays (some converters): the model takes one value
-        return int(value.max()) if value.size else default
-    return int(value)
-
-
-def _float(gf: GGUFFile, key: str, default: float | None = None) -> float | None:
-    value = gf.arch_get(key)
-    return default if value is None else float(value)
-
-
 def _rope_scaling(gf: GGUFFile) -> dict[str, Any] | None:
     """``rope.scaling.*`` as a HF rope_scaling dict, or llama3's from its rope_freqs."""
     kind = gf.arch_get("rope.scaling.type")
-    factor = _float(gf, "rope.scaling.factor")
+    factor = arch_float(gf, "rope.scaling.factor")
     if kind in (None, "none") or not factor or factor == 1.0:
         if "rope_freqs.weight" in gf.tensors:
             return _llama3_scaling(gf)
         return None
     scaling: dict[str, Any] = {"rope_type": str(kind), "factor": factor}
-    original = _int(gf, "rope.scaling.original_context_length")
+    original = arch_int(gf, "rope.scaling.original_context_length")
     if original:
         scaling["original_max_position_embeddings"] = original
     if kind == "yarn":
@@ -68,7 +59,7 @@ def _rope_scaling(gf: GGUFFile) -> dict[str, Any] | None:
             ("rope.scaling.yarn_beta_fast", "beta_fast"),
             ("rope.scaling.yarn_beta_slow", "beta_slow"),
         ):
-            value = _float(gf, gguf_key)
+            value = arch_float(gf, gguf_key)
             if value is not None:
                 scaling[hf_key] = value
     return scaling
@@ -89,7 +80,7 @@ def _llama3_scaling(gf: GGUFFile) -> dict[str, Any] | None:
     divisors. Recover HF's llama3 parameters: the factor is the largest divisor; the
     other three are Meta's published values, accepted only if they reproduce the tensor."""
     freqs = np.asarray(gf.raw("rope_freqs.weight"), dtype=np.float64).reshape(-1)
-    theta = _float(gf, "rope.freq_base", 10_000.0) or 10_000.0
+    theta = arch_float(gf, "rope.freq_base", 10_000.0) or 10_000.0
     dims = 2 * freqs.size
     factor = float(freqs.max())
     if factor <= 1.0:
@@ -134,9 +125,9 @@ def _gemma3_extras(gf: GGUFFile, config: dict[str, Any]) -> None:
     else:
         config["query_pre_attn_scalar"] = int(config["head_dim"])
     config["hidden_activation"] = "gelu_pytorch_tanh"
-    softcap = _float(gf, "final_logit_softcapping")
+    softcap = arch_float(gf, "final_logit_softcapping")
     config["final_logit_softcapping"] = softcap
-    attn_softcap = _float(gf, "attn_logit_softcapping")
+    attn_softcap = arch_float(gf, "attn_logit_softcapping")
     if attn_softcap is not None:
         config["attn_logit_softcapping"] = attn_softcap
 
@@ -145,7 +136,7 @@ def _vocab_size(gf: GGUFFile) -> int:
     embed = gf.tensors.get("token_embd.weight")
     if embed is not None:
         return embed.shape[0]
-    size = _int(gf, "vocab_size")
+    size = arch_int(gf, "vocab_size")
     if size:
         return size
     return len(gf.get("tokenizer.ggml.tokens") or [])
@@ -160,31 +151,29 @@ def hf_config(gf: GGUFFile) -> dict[str, Any]:
             f"(supported: {', '.join(supported_architectures())})"
         )
     model_type, hf_arch = _ARCHITECTURES[arch]
-    hidden = _int(gf, "embedding_length")
-    heads = _int(gf, "attention.head_count")
-    layers = _int(gf, "block_count")
-    if not (hidden and heads and layers):
-        raise ValueError(f"{gf.path}: missing {arch}.embedding_length/head_count/block_count")
-    head_dim = _int(gf, "attention.key_length") or hidden // heads
+    hidden = require_int(gf, "embedding_length")
+    heads = require_int(gf, "attention.head_count")
+    layers = require_int(gf, "block_count")
+    head_dim = arch_int(gf, "attention.key_length") or hidden // heads
     config: dict[str, Any] = {
         "model_type": model_type,
         "architectures": [hf_arch],
         "hidden_size": hidden,
         "num_hidden_layers": layers,
-        "intermediate_size": _int(gf, "feed_forward_length"),
+        "intermediate_size": arch_int(gf, "feed_forward_length"),
         "num_attention_heads": heads,
-        "num_key_value_heads": _int(gf, "attention.head_count_kv", heads),
+        "num_key_value_heads": arch_int(gf, "attention.head_count_kv", heads),
         "head_dim": head_dim,
-        "max_position_embeddings": _int(gf, "context_length", 2048),
-        "rms_norm_eps": _float(gf, "attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_theta": _float(gf, "rope.freq_base", 10_000.0),
+        "max_position_embeddings": arch_int(gf, "context_length", 2048),
+        "rms_norm_eps": arch_float(gf, "attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": arch_float(gf, "rope.freq_base", 10_000.0),
         "vocab_size": _vocab_size(gf),
         "tie_word_embeddings": "output.weight" not in gf.tensors,
     }
     scaling = _rope_scaling(gf)
     if scaling is not None:
         config["rope_scaling"] = scaling
-    window = _int(gf, "attention.sliding_window")
+    window = arch_int(gf, "attention.sliding_window")
     if window:
         config["sliding_window"] = window
     if arch == "llama":
@@ -192,6 +181,8 @@ def hf_config(gf: GGUFFile) -> dict[str, Any]:
         config["mlp_bias"] = "blk.0.ffn_up.bias" in gf.tensors
     if arch == "gemma3":
         _gemma3_extras(gf, config)
+    if arch in MOE_CONFIGS:
+        MOE_CONFIGS[arch](gf, config)
     for name in ("bos", "eos", "padding"):
         token_id = gf.get(f"tokenizer.ggml.{name}_token_id")
         if token_id is not None:

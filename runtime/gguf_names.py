@@ -9,6 +9,9 @@ reverse:
   :func:`unpermute_rows`. Qwen2/Qwen3/Gemma3 use NEOX rope in llama.cpp: not permuted.
 - gemma: every ``*norm.weight`` had 1 added (llama.cpp's RMSNorm multiplies by w, HF's
   gemma norm by 1 + w); 1 is subtracted back.
+
+Blocks from ``num_hidden_layers`` on (the multi-token-prediction layers GLM files carry)
+are not read. The mixture-of-experts names are in runtime/gguf_moe_names.py.
 """
 
 from __future__ import annotations
@@ -19,21 +22,14 @@ import re
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from runtime.gguf import GGUFFile, TensorInfo
-from runtime.gguf_quants import (
-    GROUP,
-    Affine,
-    dequantize,
-    is_float,
-    requantize_bits,
-    to_affine,
-)
+from runtime.gguf_decode import ConvertedWeights, Decoded, Transform, decode_tensor, store
+from runtime.gguf_moe_names import MOE_BLOCK_NAMES, MOE_FULL_NAMES, STRICT_ARCHS, redundant
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +42,7 @@ _GLOBAL_NAMES: Mapping[str, str] = {
 # Per-block tensors. ffn_norm is the pre-MLP norm: llama/qwen call it
 # post_attention_layernorm, gemma (which also has a real post-attention norm)
 # pre_feedforward_layernorm.
-_BLOCK_NAMES: Mapping[str, str] = {
+_DENSE_BLOCK_NAMES: Mapping[str, str] = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -61,6 +57,7 @@ _BLOCK_NAMES: Mapping[str, str] = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_BLOCK_NAMES: Mapping[str, str] = {**_DENSE_BLOCK_NAMES, **MOE_BLOCK_NAMES}
 _GEMMA_BLOCK_NAMES: Mapping[str, str] = {
     **_BLOCK_NAMES,
     "ffn_norm": "pre_feedforward_layernorm",
@@ -69,6 +66,7 @@ _GEMMA_BLOCK_NAMES: Mapping[str, str] = {
 # Tensors that carry no HF parameter (rope_freqs becomes config rope_scaling).
 _IGNORED = frozenset({"rope_freqs.weight"})
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+_BLOCK_INDEX_RE = re.compile(r"^blk\.(\d+)\.")
 _GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
 _PERMUTED_ARCHS = frozenset({"llama"})
 
@@ -78,6 +76,9 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     match = _BLOCK_RE.match(gguf_name)
     if match:
         block, part, kind = match.groups()
+        full = MOE_FULL_NAMES.get(f"{part}.{kind}")
+        if full is not None:
+            return f"model.layers.{block}.{full}"
         names = _GEMMA_BLOCK_NAMES if arch in _GEMMA_ARCHS else _BLOCK_NAMES
         mapped = names.get(part)
         return None if mapped is None else f"model.layers.{block}.{mapped}.{kind}"
@@ -99,91 +100,48 @@ def unpermute_rows(rows: int, n_heads: int) -> np.ndarray:
     return (h * head_dim + 2 * j + t).reshape(-1)
 
 
-@dataclass(frozen=True)
-class _Transform:
-    rows: np.ndarray | None = None  # row permutation
-    minus_one: bool = False
-
-
-def _transform(gguf_name: str, arch: str, config: Mapping[str, Any], rows: int) -> _Transform:
+def _transform(gguf_name: str, arch: str, config: Mapping[str, Any], rows: int) -> Transform:
     if arch in _PERMUTED_ARCHS:
         if ".attn_q." in gguf_name:
-            return _Transform(rows=unpermute_rows(rows, int(config["num_attention_heads"])))
+            return Transform(rows=unpermute_rows(rows, int(config["num_attention_heads"])))
         if ".attn_k." in gguf_name:
-            return _Transform(rows=unpermute_rows(rows, int(config["num_key_value_heads"])))
+            return Transform(rows=unpermute_rows(rows, int(config["num_key_value_heads"])))
     if arch in _GEMMA_ARCHS and gguf_name.endswith("norm.weight"):
-        return _Transform(minus_one=True)
-    return _Transform()
+        return Transform(minus_one=True)
+    return Transform()
 
 
-@dataclass
-class ConvertedWeights:
-    """HF-named arrays, and for quantized modules their ``{"bits", "group_size"}``."""
-
-    weights: dict[str, mx.array] = field(default_factory=dict)
-    quantization: dict[str, dict[str, int]] = field(default_factory=dict)
-    skipped: list[str] = field(default_factory=list)
-
-
-def _float_tensor(gf: GGUFFile, info: TensorInfo, tf: _Transform) -> np.ndarray:
-    values = dequantize(gf.raw(info.name), info.ggml_type, info.shape)
-    if tf.rows is not None:
-        values = values[tf.rows]
-    if tf.minus_one:
-        values = values - np.float32(1.0)
-    return values
-
-
-def _keep_quantized(info: TensorInfo, name: str) -> bool:
-    """Only 2-D weights of quantized types stay quantized (Linear and Embedding)."""
-    return name.endswith(".weight") and len(info.shape) == 2 and not is_float(info.ggml_type)
-
-
-@dataclass(frozen=True)
-class _Decoded:
-    """One tensor decoded in numpy (worker threads); MLX arrays are made on the caller's
-    thread, since MLX streams are per thread."""
-
-    name: str
-    values: np.ndarray | None = None  # float32
-    affine: Affine | None = None
-    requantize_bits: int | None = None  # quantize ``values`` to this many bits
-
-
-def _decode(
-    gf: GGUFFile, info: TensorInfo, name: str, config: Mapping[str, Any], keep_quantized: bool
-) -> _Decoded:
-    tf = _transform(info.name, gf.architecture, config, info.shape[0])
-    if keep_quantized and _keep_quantized(info, name):
-        affine = to_affine(gf.raw(info.name), info.ggml_type)
-        if affine is not None:
-            return _Decoded(name, affine=affine if tf.rows is None else affine.take_rows(tf.rows))
-        # No exact affine form (Q6_K, Q2_K, IQ*): dequantize, re-quantize finely.
-        bits = requantize_bits(info.ggml_type)
-        return _Decoded(name, values=_float_tensor(gf, info, tf), requantize_bits=bits)
-    return _Decoded(name, values=_float_tensor(gf, info, tf))
-
-
-def _store(out: ConvertedWeights, item: _Decoded, dtype: mx.Dtype) -> None:
-    module = item.name[: -len(".weight")]
-    if item.affine is not None:
-        a = item.affine
-        weight, scales, biases = mx.array(a.weight), mx.array(a.scales), mx.array(a.biases)
-        bits, group = a.bits, a.group_size
-    elif item.values is not None and item.requantize_bits is not None:
-        bits, group = item.requantize_bits, GROUP
-        weight, scales, biases = mx.quantize(mx.array(item.values), group_size=group, bits=bits)
-    elif item.values is not None:
-        array = mx.array(item.values)
-        out.weights[item.name] = array if array.dtype == dtype else array.astype(dtype)
-        return
-    else:
-        raise AssertionError(f"nothing decoded for {item.name}")
-    out.weights[item.name] = weight
-    # scales/biases in the compute dtype: quantized matmuls return the scales' dtype
-    out.weights[f"{module}.scales"] = scales.astype(dtype)
-    out.weights[f"{module}.biases"] = biases.astype(dtype)
-    out.quantization[module] = {"bits": bits, "group_size": group}
+def _jobs(gf: GGUFFile, num_layers: int, skipped: list[str]) -> list[tuple[TensorInfo, str]]:
+    """(tensor, HF name) of every tensor the model reads; the rest go to ``skipped``
+    (blocks past the decoder silently; others with a warning, or for the strict
+    architectures an error)."""
+    jobs: list[tuple[TensorInfo, str]] = []
+    unnamed: list[str] = []
+    past = 0
+    for info in gf.tensors.values():
+        match = _BLOCK_INDEX_RE.match(info.name)
+        if match is not None and int(match.group(1)) >= num_layers:
+            skipped.append(info.name)
+            past += 1
+            continue
+        name = hf_name(info.name, gf.architecture)
+        if name is not None:
+            jobs.append((info, name))
+        elif info.name not in _IGNORED:
+            unnamed.append(info.name)
+    if unnamed and gf.architecture in STRICT_ARCHS:
+        raise ValueError(
+            f"{gf.path}: {gf.architecture} tensors with no HF name (the model would load "
+            f"without them): {', '.join(unnamed[:8])}{' ...' if len(unnamed) > 8 else ''}"
+        )
+    if unnamed:
+        log.warning("%s: ignoring tensors with no HF name: %s", gf.path, ", ".join(unnamed))
+    if past:
+        log.info("%s: not reading %d tensors of blocks past the decoder", gf.path, past)
+    skipped.extend(unnamed)
+    extra = redundant(name for _, name in jobs)
+    skipped.extend(info.name for info, name in jobs if name in extra)
+    return [(info, name) for info, name in jobs if name not in extra]
 
 
 def convert_weights(
@@ -195,31 +153,25 @@ def convert_weights(
     workers: int | None = None,
 ) -> ConvertedWeights:
     """Every tensor of ``gf`` under its HF name: float ``dtype`` arrays, or (with
-    ``keep_quantized``) MLX affine triplets for the quantized 2-D weights.
+    ``keep_quantized``) MLX affine triplets for the quantized 2-D weights and expert
+    stacks.
 
     Tensors are decoded on a few threads (numpy releases the GIL; about 1.4x faster on
     2 cores); MLX arrays are made on the calling thread.
     """
     out = ConvertedWeights()
-    jobs: list[tuple[TensorInfo, str]] = []
-    for info in gf.tensors.values():
-        name = hf_name(info.name, gf.architecture)
-        if name is not None:
-            jobs.append((info, name))
-        elif info.name not in _IGNORED:
-            out.skipped.append(info.name)
-    if out.skipped:
-        log.warning("%s: ignoring tensors with no HF name: %s", gf.path, ", ".join(out.skipped))
+    jobs = _jobs(gf, int(config["num_hidden_layers"]), out.skipped)
     # largest first, so the long conversions do not end up last on one thread
     jobs.sort(key=lambda job: -job[0].nbytes)
     count = max(1, workers or min(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=count) as pool:
         # a bounded window of decoded tensors keeps peak memory near one model copy
-        pending: deque[Future[_Decoded]] = deque()
+        pending: deque[Future[Decoded]] = deque()
         for info, name in jobs:
-            pending.append(pool.submit(_decode, gf, info, name, config, keep_quantized))
+            tf = _transform(info.name, gf.architecture, config, info.shape[0])
+            pending.append(pool.submit(decode_tensor, gf, info, name, tf, keep_quantized))
             if len(pending) > count:
-                _store(out, pending.popleft().result(), dtype)
+                store(out, pending.popleft().result(), dtype)
         while pending:
-            _store(out, pending.popleft().result(), dtype)
+            store(out, pending.popleft().result(), dtype)
     return out
