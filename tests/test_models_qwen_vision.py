@@ -1,8 +1,10 @@
-"""Qwen3.5 with vision against transformers: the vision tower (patches, interpolated
-position embeddings, 2D rotary, merger), logits with one and two images (multimodal RoPE
-on the images' grids), prefill chunks cutting images anywhere, preprocessing (smart
-resize, patches) and placeholders, and the engine: greedy decoding after an image, the
-prefix cache keyed by image content, and an image request batched next to a text one."""
+"""Qwen3.5 with vision, dense and MoE, against transformers: the vision tower (patches,
+interpolated position embeddings, 2D rotary, merger), logits with one and two images
+(multimodal RoPE on the images' grids) and decode steps after them, prefill chunks
+cutting images anywhere, preprocessing (smart resize, patches) and placeholders, and the
+engine: greedy decoding after an image, the prefix cache keyed by image content, and an
+image request batched next to a text one; the server advertises and reads images for
+both. Checkpoint layouts: tests/test_models_qwen_vision_checkpoints.py."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import json
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import mlx.core as mx
@@ -46,164 +48,45 @@ from runtime.types import (  # noqa: E402
     SamplingParams,
     TextDelta,
 )
-from runtime.vision import GridVision, PromptImages, grid_of  # noqa: E402
+from runtime.vision import PromptImages  # noqa: E402
 from tests.live_server import live_server  # noqa: E402
 from tests.model_checks import TinyModels  # noqa: E402
 from tests.openai_checks import post  # noqa: E402
-from tests.tiny_hybrid import _TEXT, _VISION, VOCAB, _randomize  # noqa: E402
-from tests.tiny_models import load_mlx, save_tiny  # noqa: E402
+from tests.tiny_models import load_mlx  # noqa: E402
+from tests.tiny_qwen_vision import (  # noqa: E402
+    END,
+    EOS,
+    IMAGE,
+    KINDS,
+    MERGE,
+    PATCH,
+    START,
+    hf_inputs,
+    make,
+    prefill,
+    prompt,
+    vision_model,
+)
+from tests.tiny_qwen_vision import pixels as _pixels  # noqa: E402
 
-START, END, IMAGE = 998, 999, 1000  # inside the tiny vocabulary
-PATCH, MERGE = 4, 2  # an image token covers 8 x 8 pixels
-SPECIAL = {
-    990: "<|im_start|>",
-    991: "<|im_end|>",
-    992: "<think>",
-    993: "</think>",
-    997: "<|video_pad|>",
-    START: "<|vision_start|>",
-    END: "<|vision_end|>",
-    IMAGE: "<|image_pad|>",
-}
-EOS = 991
-# rotary on 16 of 32 dims (8 pairs): t, h and w sections all present, interleaved
-_TEXT_CONFIG = {
-    **_TEXT,
-    "head_dim": 32,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 10_000.0,
-        "partial_rotary_factor": 0.5,
-        "mrope_section": [3, 3, 2],
-        "mrope_interleaved": True,
-    },
-}
-# a 4 x 4 learned position grid, interpolated to every image's grid of patches
-_VISION_CONFIG = {**_VISION, "depth": 2, "patch_size": PATCH, "num_position_embeddings": 16}
 ATOL = 1e-4
-
-
-def _qwen3_5_vision() -> Any:
-    config = transformers.Qwen3_5Config(
-        text_config=_TEXT_CONFIG,
-        vision_config=_VISION_CONFIG,
-        image_token_id=IMAGE,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
-        video_token_id=997,
-    )
-    return transformers.Qwen3_5ForConditionalGeneration(config)
-
-
-def _write_tokenizer(folder: Path) -> None:
-    """A word-level tokenizer ("w<i>" is token i) whose chat and image tokens carry
-    Qwen's names, as special tokens."""
-    from tokenizers import AddedToken, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-
-    vocab = {SPECIAL.get(i, f"w{i}"): i for i in range(VOCAB)}
-    tok = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL.values()])
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"eos_token": "<|im_end|>"}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-
-
-def _preprocessor_config(folder: Path, low: int = 256, high: int = 4096) -> None:
-    config = {
-        "image_processor_type": "Qwen2VLImageProcessorFast",
-        "patch_size": PATCH,
-        "temporal_patch_size": 2,
-        "merge_size": MERGE,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "size": {"shortest_edge": low, "longest_edge": high},
-    }
-    (folder / "preprocessor_config.json").write_text(json.dumps(config))
-
-
-def _make(name: str, directory: Path) -> Any:
-    model = save_tiny((_qwen3_5_vision, None), directory, 0, _randomize)
-    _write_tokenizer(directory)
-    _preprocessor_config(directory)
-    return model
+# the tests that read the text model run over both kinds
+BOTH = pytest.mark.parametrize("kind", list(KINDS))
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
-    return TinyModels(tmp_path_factory, _make)
-
-
-def _model(tiny: TinyModels) -> tuple[Any, Any]:
-    hf, directory = tiny["qwen3_5"]
-    model: Any = load_mlx(directory)
-    assert isinstance(model, GridVision) and grid_of(model) is model
-    return hf, model
-
-
-def _pixels(seed: int, height: int, width: int) -> np.ndarray[Any, Any]:
-    rng = np.random.default_rng(seed)
-    return rng.standard_normal((3, height, width)).astype(np.float32)
-
-
-def _tokens_of(pixels: np.ndarray[Any, Any]) -> int:
-    return (pixels.shape[1] // (PATCH * MERGE)) * (pixels.shape[2] // (PATCH * MERGE))
-
-
-def _prompt(
-    pictures: Sequence[np.ndarray[Any, Any]], texts: Sequence[Sequence[int]]
-) -> tuple[list[int], list[PromptImage]]:
-    """texts[0] <image> texts[1] <image> ... texts[-1], each image wrapped in
-    <|vision_start|> ... <|vision_end|> as the chat template writes it."""
-    tokens, images = list(texts[0]), []
-    for pixels, text in zip(pictures, texts[1:], strict=True):
-        tokens.append(START)
-        n = _tokens_of(pixels)
-        images.append(PromptImage(pixels.tobytes(), pixels.shape, digest(pixels), len(tokens), n))
-        tokens += [IMAGE] * n + [END, *text]
-    return tokens, images
-
-
-def _hf_inputs(
-    tokens: Sequence[int], pictures: Sequence[np.ndarray[Any, Any]], model: Any
-) -> dict[str, Any]:
-    """transformers' inputs: the processor's pixel_values are our patches (checked
-    against the processor in the preprocessing tests)."""
-    patches = [np.array(patchify(mx.array(p[None]), model.args.vision))[0] for p in pictures]
-    grid = [[1, p.shape[1] // PATCH, p.shape[2] // PATCH] for p in pictures]
-    ids = torch.tensor([list(tokens)])
-    return {
-        "input_ids": ids,
-        "pixel_values": torch.from_numpy(np.concatenate(patches)),
-        "image_grid_thw": torch.tensor(grid),
-        "mm_token_type_ids": (ids == IMAGE).long(),
-    }
-
-
-def _run(
-    model: Any, images: PromptImages, tokens: Sequence[int], chunk: int
-) -> tuple[np.ndarray[Any, Any], list[int]]:
-    """All logits of `tokens` prefilled in chunks of about `chunk`; the chunks' ends."""
-    caches = model.make_caches()
-    outs, ends, offset = [], [], 0
-    while offset < len(tokens):
-        n = images.chunk(offset, min(chunk, len(tokens) - offset))
-        hidden = images.forward(tokens[offset : offset + n], caches, offset)
-        outs.append(np.array(model.logits(hidden)))
-        offset += n
-        ends.append(offset)
-    return np.concatenate(outs, axis=1), ends
+    return TinyModels(tmp_path_factory, make)
 
 
 # -- against transformers --------------------------------------------------------------
 
 
 def test_vision_tower_matches_transformers(tiny: TinyModels) -> None:
-    hf, model = _model(tiny)
+    hf, model = vision_model(tiny)
     # 8 x 16 and 12 x 8 patches (4 x 4 learned positions): two grids in one call there
     pictures = [_pixels(0, 32, 64), _pixels(1, 48, 32)]
-    inputs = _hf_inputs([], pictures, model)
+    inputs = hf_inputs([], pictures, model)
     with torch.no_grad():
         out = hf.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
     hidden, merged = out.last_hidden_state.numpy(), out.pooler_output.numpy()
@@ -221,7 +104,7 @@ def test_vision_tower_matches_transformers(tiny: TinyModels) -> None:
 def test_large_images_attend_in_query_blocks(
     tiny: TinyModels, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _, model = _model(tiny)
+    _, model = vision_model(tiny)
     pixels = mx.array(_pixels(12, 32, 64)[None])  # 128 patches
     whole = np.array(model.encode_images(pixels))
     monkeypatch.setattr(qwen3_vision, "_MIN_BLOCK", 16)
@@ -229,17 +112,18 @@ def test_large_images_attend_in_query_blocks(
     np.testing.assert_allclose(np.array(model.encode_images(pixels)), whole, atol=1e-6, rtol=0)
 
 
+@BOTH
 @pytest.mark.parametrize("count", [1, 2])
-def test_logits_with_images_match_transformers(count: int, tiny: TinyModels) -> None:
-    hf, model = _model(tiny)
+def test_logits_with_images_match_transformers(count: int, kind: str, tiny: TinyModels) -> None:
+    hf, model = vision_model(tiny, kind)
     # a wide image, then a tall one: the text after each moves by max(h, w) - h * w
     pictures = [_pixels(2, 16, 40), _pixels(3, 32, 16)][:count]
     texts = [[5, 17, 40], [9, 8, 7, 6, 5], [33, 2, 4]][: count + 1]
-    tokens, images = _prompt(pictures, texts)
+    tokens, images = prompt(pictures, texts)
     reader = PromptImages(model, images, tokens)
-    ours, _ = _run(model, reader, tokens, len(tokens))
+    ours, _ = prefill(model, reader, tokens, len(tokens))
     with torch.no_grad():
-        expected = hf(**_hf_inputs(tokens, pictures, model)).logits.numpy()
+        expected = hf(**hf_inputs(tokens, pictures, model)).logits.numpy()
     np.testing.assert_allclose(ours, expected, atol=ATOL, rtol=0)
     assert reader.shift == int(hf.model.rope_deltas[0, 0]) < 0  # transformers' rope_deltas
     # the same prompt read as text: the image's features and positions change everything
@@ -247,23 +131,45 @@ def test_logits_with_images_match_transformers(count: int, tiny: TinyModels) -> 
     assert np.abs(text - expected).max() > 1e-2
 
 
+@BOTH
+def test_decode_after_an_image_matches_transformers(kind: str, tiny: TinyModels) -> None:
+    """A prompt with an image prefilled in chunks that cut it, then decode steps (each
+    rotated at its offset plus the image's shift) give transformers' logits of the whole
+    sequence."""
+    hf, model = vision_model(tiny, kind)
+    pictures = [_pixels(13, 24, 32)]  # 3 x 4 tokens: what follows sits 8 positions back
+    tokens, images = prompt(pictures, [[5, 17, 40], [9, 8, 7]])
+    follow = [21, 300, 4, 77, 512]
+    reader = PromptImages(model, images, tokens)
+    caches = model.make_caches()
+    ours, ends = prefill(model, reader, tokens, 4, caches)
+    assert any(i.start < e < i.end for i in images for e in ends)
+    for token in follow:
+        hidden = model.forward_shifted(mx.array([[token]]), caches, reader.shift)
+        ours = np.concatenate([ours, np.array(model.logits(hidden))], axis=1)
+    with torch.no_grad():
+        expected = hf(**hf_inputs([*tokens, *follow], pictures, model)).logits.numpy()
+    assert reader.shift == -8 and ours.shape == expected.shape
+    np.testing.assert_allclose(ours, expected, atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("chunk", [1, 2, 3, 5, 7, 11])
 def test_prefill_chunks_may_cut_images(chunk: int, tiny: TinyModels) -> None:
-    _, model = _model(tiny)
+    _, model = vision_model(tiny)
     pictures = [_pixels(4, 24, 16), _pixels(5, 16, 24)]
-    tokens, images = _prompt(pictures, [[5, 17], [9, 8, 7], [33, 2, 1]])
+    tokens, images = prompt(pictures, [[5, 17], [9, 8, 7], [33, 2, 1]])
     reader = PromptImages(model, images, tokens)
-    whole, _ = _run(model, reader, tokens, len(tokens))
-    chunked, ends = _run(model, reader, tokens, chunk)
+    whole, _ = prefill(model, reader, tokens, len(tokens))
+    chunked, ends = prefill(model, reader, tokens, chunk)
     if chunk < 6:  # attention is causal inside images: chunks end where they would
         assert any(i.start < e < i.end for i in images for e in ends)
     np.testing.assert_allclose(chunked, whole, atol=ATOL, rtol=0)
 
 
 def test_prompt_images_are_checked_against_the_prompt(tiny: TinyModels) -> None:
-    _, model = _model(tiny)
+    _, model = vision_model(tiny)
     pixels = _pixels(6, 16, 24)
-    tokens, images = _prompt([pixels], [[5], [6]])
+    tokens, images = prompt([pixels], [[5], [6]])
     PromptImages(model, images, tokens)
     image = images[0]
     odd = _pixels(6, 12, 24)  # 12 pixels is not a whole number of 8-pixel tokens
@@ -274,63 +180,6 @@ def test_prompt_images_are_checked_against_the_prompt(tiny: TinyModels) -> None:
     for wrong, words in bad:
         with pytest.raises(ValueError, match=words):
             PromptImages(model, [wrong], tokens)
-
-
-# -- checkpoint layouts -----------------------------------------------------------------
-
-
-def _mlx_layout(name: str, value: mx.array) -> tuple[str, mx.array]:
-    """transformers' names -> MLX converters' (vision_tower.*, language_model.model.*),
-    the patch convolution's weight channels-last."""
-    if name.startswith("model.visual."):
-        if name.endswith("patch_embed.proj.weight"):
-            value = value.transpose(0, 2, 3, 4, 1)
-        return "vision_tower." + name[len("model.visual.") :], value
-    if name.startswith("model.language_model."):
-        return "language_model.model." + name[len("model.language_model.") :], value
-    return "language_model." + name, value
-
-
-@pytest.mark.parametrize("layout", ["mlx", "visual"])
-def test_checkpoint_layouts_load_alike(layout: str, tiny: TinyModels, tmp_path: Path) -> None:
-    _, reference = _model(tiny)
-    directory = tiny["qwen3_5"][1]
-    weights = mx.load(str(directory / "model.safetensors"))
-    assert isinstance(weights, dict)
-    if layout == "mlx":
-        renamed = dict(_mlx_layout(k, v) for k, v in weights.items())
-    else:  # the older top-level visual.*
-        renamed = {
-            k.removeprefix("model.") if ".visual." in f".{k}" else k: v for k, v in weights.items()
-        }
-    assert renamed.keys() != weights.keys()
-    mx.save_safetensors(str(tmp_path / "model.safetensors"), renamed)
-    (tmp_path / "config.json").write_text((directory / "config.json").read_text())
-    model: Any = load_mlx(tmp_path)
-    pixels = mx.array(_pixels(11, 16, 24)[None])
-    np.testing.assert_array_equal(
-        np.array(model.encode_images(pixels)), np.array(reference.encode_images(pixels))
-    )
-    tokens = mx.array([[5, 6, 7]])
-    np.testing.assert_array_equal(
-        np.array(model(tokens, model.make_caches())),
-        np.array(reference(tokens, reference.make_caches())),
-    )
-
-
-def test_checkpoint_without_vision_weights_loads_the_text_model(
-    tiny: TinyModels, tmp_path: Path
-) -> None:
-    directory = tiny["qwen3_5"][1]
-    weights = mx.load(str(directory / "model.safetensors"))
-    assert isinstance(weights, dict)
-    text = {k: v for k, v in weights.items() if not k.startswith("model.visual.")}
-    mx.save_safetensors(str(tmp_path / "model.safetensors"), text)
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_text((directory / name).read_text())
-    loaded = load(tmp_path)
-    assert grid_of(loaded.model) is None and loaded.vision is None
-    assert load(directory).vision is not None
 
 
 # -- preprocessing and placeholders ---------------------------------------------------
@@ -447,12 +296,19 @@ class _Counting:
         return out
 
 
-@pytest.fixture(scope="module")
-def engine(tiny: TinyModels) -> Iterator[tuple[Engine, Any, _Counting]]:
+class _Served(NamedTuple):
+    engine: Engine
+    model: Any  # the same checkpoint loaded apart: the reference
+    counter: _Counting
+    hf: Any  # transformers' model
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def engine(request: pytest.FixtureRequest, tiny: TinyModels) -> Iterator[_Served]:
     """The engine (prefill chunks of 5 tokens, shorter than an image's span; two rows
-    batched), the same model loaded apart as the reference, and a count of the images
-    the engine's encoder saw."""
-    directory = tiny["qwen3_5"][1]
+    batched) for each kind, the same model loaded apart as the reference, and a count of
+    the images the engine's encoder saw."""
+    hf, directory = tiny[request.param]
     loaded = load(directory, dtype="float32")
     assert loaded.eos_token_ids == {EOS}
     model: Any = loaded.model
@@ -463,7 +319,7 @@ def engine(tiny: TinyModels) -> Iterator[tuple[Engine, Any, _Counting]]:
     )
     eng = Engine(ModelRunner(loaded, settings))
     eng.start()
-    yield eng, load_mlx(directory), counter
+    yield _Served(eng, load_mlx(directory), counter, hf)
     eng.stop()
 
 
@@ -509,24 +365,23 @@ def _to_eos(tokens: Iterable[int]) -> list[int]:
     return out[: out.index(EOS) + 1] if EOS in out else out
 
 
-def test_greedy_after_an_image_equals_transformers(engine: Any, tiny: TinyModels) -> None:
-    eng, model, _ = engine
-    hf = tiny["qwen3_5"][0]
+def test_greedy_after_an_image_equals_transformers(engine: _Served) -> None:
+    eng, model, _, hf = engine
     pictures = [_pixels(7, 24, 40)]
-    tokens, images = _prompt(pictures, [[5, 6, 7], [8, 9, 10, 11]])
+    tokens, images = prompt(pictures, [[5, 6, 7], [8, 9, 10, 11]])
     got, _ = _generate(eng, tokens, images, 8)
     with torch.no_grad():
-        out = hf.generate(**_hf_inputs(tokens, pictures, model), max_new_tokens=8, do_sample=False)
+        out = hf.generate(**hf_inputs(tokens, pictures, model), max_new_tokens=8, do_sample=False)
     assert got == _to_eos(int(t) for t in out[0, len(tokens) :])
     assert got == _greedy(model, tokens, images, 8)
 
 
-def test_prefix_cache_keys_images_by_content(engine: Any) -> None:
-    eng, model, counter = engine
+def test_prefix_cache_keys_images_by_content(engine: _Served) -> None:
+    eng, model, counter, _ = engine
     x, y = _pixels(8, 16, 24), _pixels(9, 16, 24)
     texts = [[20, 21, 22, 23, 24], [25, 26, 27, 28, 29, 30, 31]]
-    tokens, with_x = _prompt([x], texts)
-    _, with_y = _prompt([y], texts)
+    tokens, with_x = prompt([x], texts)
+    _, with_y = prompt([y], texts)
     span = with_x[0]
     first, _ = _generate(eng, tokens, with_x)
     assert first == _greedy(model, tokens, with_x, 6)
@@ -544,10 +399,10 @@ def test_prefix_cache_keys_images_by_content(engine: Any) -> None:
     assert second == _greedy(model, turn, with_x, 6)
 
 
-def test_an_image_request_batched_with_a_text_request(engine: Any) -> None:
-    eng, model, _ = engine
+def test_an_image_request_batched_with_a_text_request(engine: _Served) -> None:
+    eng, model, _, _ = engine
     # a 5 x 5 image: what follows sits 20 positions before its offset
-    tokens, images = _prompt([_pixels(10, 40, 40)], [[50, 51], [52, 53, 54]])
+    tokens, images = prompt([_pixels(10, 40, 40)], [[50, 51], [52, 53, 54]])
     text = [int(t) for t in np.random.default_rng(3).integers(3, 900, 12)]
     alone = [_greedy(model, tokens, images, 10), _greedy(model, text, [], 24)]
     requests = [_request(tokens, images, 10), _request(text, [], 24)]
@@ -569,14 +424,18 @@ def test_an_image_request_batched_with_a_text_request(engine: Any) -> None:
 # -- through the server ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def base_url(tiny: TinyModels) -> Iterator[str]:
-    directory = tiny["qwen3_5"][1]
-    with live_server(lambda: build_served(directory, model_id="tiny-qwen3.5-vision")) as url:
-        yield url
+@pytest.fixture(scope="module", params=list(KINDS))
+def server(request: pytest.FixtureRequest, tiny: TinyModels) -> Iterator[tuple[str, str]]:
+    """The gateway serving each kind: its base URL and model id."""
+    directory = tiny[request.param][1]
+    model_id = f"tiny-{request.param}-vision"
+    with live_server(lambda: build_served(directory, model_id=model_id)) as url:
+        yield url, model_id
 
 
-def test_a_chat_image_counts_its_grid_of_tokens(base_url: str) -> None:
+def test_a_chat_image_counts_its_grid_of_tokens(server: tuple[str, str]) -> None:
+    """The server reads images for the model (as its card says), each its grid of tokens."""
+    base_url, model_id = server
     data = io.BytesIO()
     Image.fromarray(np.full((40, 24, 3), 200, np.uint8)).save(data, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(data.getvalue()).decode()
@@ -585,18 +444,15 @@ def test_a_chat_image_counts_its_grid_of_tokens(base_url: str) -> None:
 
     def chat(content: list[dict[str, Any]]) -> Any:
         messages = [{"role": "user", "content": content}]
-        body = {"model": "tiny-qwen3.5-vision", "messages": messages}
+        body = {"model": model_id, "messages": messages}
         return post(base_url, "/v1/chat/completions", {"max_tokens": 3, "temperature": 0, **body})
 
     with_image, without = chat([image, text]), chat([text])
     assert with_image.status_code == 200, with_image.text
     used = with_image.json()["usage"]["prompt_tokens"] - without.json()["usage"]["prompt_tokens"]
     assert used == 1 + 5 * 3 + 1  # <|vision_start|>, 40 x 24 pixels as 5 x 3 tokens, end
-    body = {
-        "model": "tiny-qwen3.5-vision",
-        "messages": [{"role": "user", "content": [image, text]}],
-    }
+    body = {"model": model_id, "messages": [{"role": "user", "content": [image, text]}]}
     counted = post(base_url, "/tokenize", body).json()
     assert counted["count"] == with_image.json()["usage"]["prompt_tokens"]
-    card = httpx.get(f"{base_url}/v1/models/tiny-qwen3.5-vision", timeout=30).json()
+    card = httpx.get(f"{base_url}/v1/models/{model_id}", timeout=30).json()
     assert card["capabilities"]["vision"] is True

@@ -7,8 +7,9 @@ The multimodal config nests the text model under `text_config`; text-only config
 ``model.language_model.*`` (HF multimodal), ``language_model.model.*`` (mlx-community)
 or ``model.*`` (text only); vision weights are skipped here. Rotary: multimodal RoPE
 (`mrope_section`) gives every section the same position for text tokens, so it is plain
-(partial) RoPE here. A dense `qwen3_5` config with a vision_config (and a checkpoint with
-vision weights) builds qwen3_5_vision.py instead: the vision tower and image positions.
+(partial) RoPE here. A `qwen3_5` or `qwen3_5_moe` config with a vision_config (and a
+checkpoint with vision weights) builds qwen3_5_vision.py instead: this text model plus the
+vision tower and image positions.
 """
 
 from __future__ import annotations

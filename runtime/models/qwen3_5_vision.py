@@ -1,5 +1,8 @@
-"""Qwen3.5 with vision (transformers' Qwen3_5ForConditionalGeneration): the hybrid text
-model (qwen3_5.py), the vision tower (qwen3_vision.py) and multimodal RoPE.
+"""Qwen3.5 with vision, dense or MoE (transformers' Qwen3_5ForConditionalGeneration and
+Qwen3_5MoeForConditionalGeneration): the hybrid text model (qwen3_5.py, which reads from
+the model type whether its MLPs are experts), the vision tower (qwen3_vision.py) and
+multimodal RoPE. The two share the tower, the image tokens and the positions; only the
+text model inside differs.
 
 Images: the chat template writes <|vision_start|><|image_pad|><|vision_end|> for each;
 the processor repeats <|image_pad|> once per token of the image (its rows x cols merged
@@ -19,7 +22,9 @@ shift, each row of a batch by its own (`forward_shifted`).
 
 Checkpoint layouts read: transformers' (`model.visual.*`, `model.language_model.*`),
 older (`visual.*`), and MLX converters' (`vision_tower.*`, `language_model.model.*`, the
-patch convolution's weight channels-last).
+patch convolution's weight channels-last). The MoE's experts come per expert, fused
+(`experts.gate_up_proj`, Qwen's published checkpoints) or stacked (`switch_mlp.*`, MLX
+converters'); the text model's sanitize reads all three.
 """
 
 from __future__ import annotations

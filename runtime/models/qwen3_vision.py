@@ -256,7 +256,9 @@ class VisionTower(Module):
             raise ValueError(f"{patches.shape[1]} patches for a {rows} x {cols} grid")
         where, indices, weights = _grid_tables(rows, cols, merge, a.grid_side)
         x = self.patch_embed(patches)
-        table: mx.array = self.pos_embed.weight[mx.array(indices)]  # (patches, 4, hidden)
+        # (patches, 4, hidden); through the module, which also reads a quantized table
+        # (MLX converters that quantize the tower quantize its embedding too)
+        table: mx.array = self.pos_embed(mx.array(indices))
         # weighted in float32, as transformers does
         positions = (table.astype(mx.float32) * mx.array(weights)[:, :, None]).sum(axis=1)
         x = x + positions.astype(x.dtype)
