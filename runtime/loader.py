@@ -44,6 +44,7 @@ from runtime import backend
 from runtime.images import VisionSpec
 from runtime.models import build_model
 from runtime.models.base import LanguageModel
+from runtime.models.linear import choose_small_gemm
 from runtime.tokenizer import Tokenizer, read_chat_template
 from runtime.vision import vision_spec
 
@@ -174,6 +175,7 @@ def _finish(
     if shard is not None:
         shard(model)
     mx.eval(model.parameters())
+    choose_small_gemm(model)
 
 
 def _quantize_modules(model: LanguageModel, params: Mapping[str, Mapping[str, Any]]) -> None:

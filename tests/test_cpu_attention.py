@@ -322,3 +322,39 @@ def test_linear_layer_uses_the_kernel_only_where_it_applies(built: Any) -> None:
     for x in (few, many):
         want = x @ layer.weight.T + layer.bias
         np.testing.assert_allclose(np.array(layer(x)), np.array(want), atol=1e-5, rtol=1e-5)
+
+
+def test_the_kernel_is_chosen_per_layer_by_its_largest_matrix() -> None:
+    """A layer whose largest matrix stays in the CPU's caches runs all on MLX's graph (a
+    kernel call would break it); a layer with a big one runs all its linears on the
+    kernel; a head outside the layers decides for itself."""
+    from mlx.nn.layers.base import Module
+
+    from runtime.models.linear import BLOCK_MIN_WEIGHT_BYTES, Linear, choose_small_gemm
+
+    big = BLOCK_MIN_WEIGHT_BYTES // 4 // 1024 + 1  # rows of 1024 float32 inputs
+
+    class Layer(Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.q = Linear(1024, 64)
+            self.mlp = Linear(1024, width)
+
+    class Model(Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = [Layer(64), Layer(big)]
+            self.head = Linear(1024, big)
+            self.small_head = Linear(1024, 8)
+
+    model = Model()
+    choose_small_gemm(model)
+    small, large = model.layers
+    assert not small.q.small_gemm and not small.mlp.small_gemm
+    assert large.q.small_gemm and large.mlp.small_gemm
+    assert model.head.small_gemm and not model.small_head.small_gemm
+    x = mx.random.normal((4, 1, 1024))
+    for layer in (small.q, large.q):  # either way, the same product
+        np.testing.assert_allclose(
+            np.array(layer(x)), np.array(x @ layer.weight.T + layer.bias), atol=1e-4
+        )
