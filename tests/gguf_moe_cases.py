@@ -20,19 +20,15 @@ from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize as reference_dequantize
 from gguf.quants import quantize as reference_quantize
 
-from tests.tiny_deepseek import _deepseek, add_mtp_layer
+from tests.tiny_deepseek import _YARN, DEEPSEEK_PLAIN, _deepseek, add_mtp_layer
 from tests.tiny_models import Variant, randomize, save_tiny
+from tests.tiny_moe import VARIANTS as MOE_VARIANTS
 from tests.tiny_moe import _glm4_moe, _qwen3_moe
 
 # DeepSeek's own YaRN shape, scaled down; mscale == mscale_all_dim, the only case a
 # deepseek2 GGUF can state (llama.cpp keeps the rotation's magnitude at 1)
 YARN = {
-    "rope_type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 128,
-    "rope_theta": 10_000.0,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
+    **_YARN,
     "mscale": 0.8,
     "mscale_all_dim": 0.8,
 }
@@ -66,21 +62,7 @@ CASES: Mapping[str, MoeCase] = {
         ),
     ),
     # grouped routing, scaled weights, 2 shared experts, q/k norms and bias, an MTP layer
-    "glm4moe": MoeCase(
-        "glm4moe",
-        (
-            lambda: _glm4_moe(
-                n_group=4,
-                topk_group=2,
-                routed_scaling_factor=2.5,
-                n_shared_experts=2,
-                use_qk_norm=True,
-                attention_bias=True,
-            ),
-            None,
-        ),
-        mtp=True,
-    ),
+    "glm4moe": MoeCase("glm4moe", MOE_VARIANTS["glm4_moe"], mtp=True),
     # one group, weights not renormalised, a quarter of each head rotated, tied head
     "glm4moe_plain": MoeCase(
         "glm4moe",
@@ -104,17 +86,7 @@ CASES: Mapping[str, MoeCase] = {
     "deepseek2_lite_old": MoeCase(
         "deepseek2",
         (
-            lambda: _deepseek(
-                q_lora_rank=None,
-                attention_bias=True,
-                n_group=1,
-                topk_group=1,
-                norm_topk_prob=False,
-                routed_scaling_factor=1.5,
-                n_shared_experts=2,
-                first_k_dense_replace=0,
-                rope_parameters={"rope_type": "default", "rope_theta": 5_000.0},
-            ),
+            lambda: _deepseek(**DEEPSEEK_PLAIN),
             None,
         ),
         mtp=True,

@@ -540,20 +540,11 @@ def _quantize_folder(src: Path, dst: Path) -> None:
     out: dict[str, mx.array] = {}
     overrides: dict[str, Any] = {}
     for name, value in model.sanitize(dict(raw)).items():
-        module = name.removesuffix(".weight")
         if name.endswith(".weight") and value.ndim in (2, 3) and "embed" not in name:
-            bits = 8 if name.endswith("mlp.gate.weight") else 4
-            if bits == 8:
-                overrides[module] = {"group_size": 32, "bits": 8}
-            w, s, b = mx.quantize(value, group_size=32, bits=bits)
-            out.update({name: w, f"{module}.scales": s, f"{module}.biases": b})
+            tiny_models.quantize_weight(out, overrides, name, value)
         else:
             out[name] = value
-    dst.mkdir()
-    mx.save_safetensors(str(dst / "model.safetensors"), out)
-    config = json.loads((src / "config.json").read_text())
-    config["quantization"] = {"group_size": 32, "bits": 4, **overrides}
-    (dst / "config.json").write_text(json.dumps(config))
+    tiny_models.save_quantized(src, dst, out, overrides)
     tiny_models.write_tokenizer(dst, tiny_models.VOCAB)
 
 

@@ -36,7 +36,7 @@ from tests.model_checks import (
     random_tokens,
 )
 from tests.tiny_hybrid import VARIANTS, VOCAB, make_tiny, write_tokenizer
-from tests.tiny_models import load_mlx, torch_logits
+from tests.tiny_models import load_mlx, quantize_weight, save_quantized, torch_logits
 
 SEQ = 100  # over transformers' 64-token chunk, and ours
 ATOL = 1e-4
@@ -362,21 +362,12 @@ def _quantized_converted_folder(src: Path, model: LanguageModel, dst: Path) -> N
         if name.startswith("visual."):
             continue  # a text-only conversion (mlx-lm's drops the vision tower)
         full = f"language_model.{name}"
-        module = full.removesuffix(".weight")
         linear = name.endswith(".weight") and value.ndim in (2, 3) and "conv1d" not in name
         if linear and "embed" not in name and value.shape[-1] % 32 == 0:
-            bits = 8 if name.endswith("mlp.gate.weight") else 4
-            if bits == 8:
-                overrides[module] = {"group_size": 32, "bits": 8}
-            w, s, b = mx.quantize(value, group_size=32, bits=bits)
-            out.update({full: w, f"{module}.scales": s, f"{module}.biases": b})
+            quantize_weight(out, overrides, full, value)
         else:
             out[full] = value
-    dst.mkdir()
-    mx.save_safetensors(str(dst / "model.safetensors"), out)
-    config = json.loads((src / "config.json").read_text())
-    config["quantization"] = {"group_size": 32, "bits": 4, **overrides}
-    (dst / "config.json").write_text(json.dumps(config))
+    save_quantized(src, dst, out, overrides)
     write_tokenizer(dst)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -66,6 +65,7 @@ from tests.tiny_qwen_vision import (  # noqa: E402
     prefill,
     prompt,
     vision_model,
+    write_preprocessor_config,
 )
 from tests.tiny_qwen_vision import pixels as _pixels  # noqa: E402
 
@@ -212,15 +212,7 @@ def test_preprocessing_equals_the_processor(
     """Qwen2VLImageProcessor (PIL; the second bounds are Qwen3.5's published ones): the
     resized, normalised pixels cut into patches are its pixel_values, the grid its
     image_grid_thw."""
-    config = {
-        "patch_size": patch,
-        "temporal_patch_size": 2,
-        "merge_size": MERGE,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "size": {"shortest_edge": low, "longest_edge": high},
-    }
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps(config))
+    write_preprocessor_config(tmp_path, low, high, patch)
     processor = transformers.Qwen2VLImageProcessorPil.from_pretrained(str(tmp_path))
     grid = GridResize(patch, MERGE, 2)
     prep = Preprocessing.read(tmp_path, 0, grid)

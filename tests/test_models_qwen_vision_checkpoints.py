@@ -25,7 +25,12 @@ from runtime.loader import load  # noqa: E402
 from runtime.vision import PromptImages, grid_of  # noqa: E402
 from tests.model_checks import TinyModels, assert_matches_transformers, forward  # noqa: E402
 from tests.tiny_hybrid import _MOE, _randomize  # noqa: E402
-from tests.tiny_models import load_mlx, save_tiny  # noqa: E402
+from tests.tiny_models import (  # noqa: E402
+    load_mlx,
+    quantize_weight,
+    save_quantized,
+    save_tiny,
+)
 from tests.tiny_qwen_vision import (  # noqa: E402
     DENSE,
     MOE,
@@ -199,22 +204,13 @@ def _quantized_mlx_folder(src: Path, model: Any, dst: Path) -> None:
             full = "vision_tower." + name.removeprefix("visual.")
         else:
             full = "language_model." + name
-        module = full.removesuffix(".weight")
         if name == "visual.patch_embed.proj.weight":
             out[full] = raw["model." + name].transpose(0, 2, 3, 4, 1)
         elif name.endswith(".weight") and value.ndim in (2, 3) and value.shape[-1] % 32 == 0:
-            bits = 8 if name.endswith("mlp.gate.weight") else 4
-            if bits == 8:
-                overrides[module] = {"group_size": 32, "bits": 8}
-            w, s, b = mx.quantize(value, group_size=32, bits=bits)
-            out.update({full: w, f"{module}.scales": s, f"{module}.biases": b})
+            quantize_weight(out, overrides, full, value)
         else:
             out[full] = value
-    dst.mkdir()
-    mx.save_safetensors(str(dst / "model.safetensors"), out)
-    config = json.loads((src / "config.json").read_text())
-    config["quantization"] = {"group_size": 32, "bits": 4, **overrides}
-    (dst / "config.json").write_text(json.dumps(config))
+    save_quantized(src, dst, out, overrides)
     write_tokenizer(dst)
     write_preprocessor_config(dst)
 

@@ -42,6 +42,7 @@ from runtime.types import (  # noqa: E402
 from runtime.vision import PromptImages, VisionModel, vision_of  # noqa: E402
 from tests.model_checks import TinyModels  # noqa: E402
 from tests.tiny_models import VOCAB, _gemma3_text_config, load_mlx, save_tiny  # noqa: E402
+from tests.tiny_qwen_vision import prefill  # noqa: E402
 
 BOI, EOI, IMAGE = 998, 999, 1000  # inside the tiny vocabulary
 SIZE = 56  # 4 x 4 patches of 14 pixels
@@ -149,21 +150,6 @@ def _torch_logits(hf: Any, tokens: Sequence[int], pixels: np.ndarray[Any, Any]) 
     return out.logits.numpy()
 
 
-def _run(
-    model: Any, images: PromptImages, tokens: Sequence[int], chunk: int
-) -> tuple[np.ndarray[Any, Any], list[int]]:
-    """All logits of `tokens` prefilled in chunks of about `chunk`; the chunks' ends."""
-    caches = model.make_caches()
-    outs, ends, offset = [], [], 0
-    while offset < len(tokens):
-        n = images.chunk(offset, min(chunk, len(tokens) - offset))
-        hidden = images.forward(tokens[offset : offset + n], caches, offset)
-        outs.append(np.array(model.logits(hidden)))
-        offset += n
-        ends.append(offset)
-    return np.concatenate(outs, axis=1), ends
-
-
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_vision_tower_and_projector_match_transformers(name: str, tiny: TinyModels) -> None:
     hf, directory = tiny[name]
@@ -187,7 +173,7 @@ def test_logits_with_images_match_transformers(name: str, tiny: TinyModels) -> N
     tokens, starts = _prompt(per_image, [[5, 17, 40], [9, 8, 7, 6, 5, 4, 3], [33, 2]])
     pixels = _pixels(1, 2)
     images = PromptImages(model, _images(pixels, starts, per_image), tokens)
-    ours, _ = _run(model, images, tokens, len(tokens))
+    ours, _ = prefill(model, images, tokens, len(tokens))
     expected = _torch_logits(hf, tokens, pixels)
     np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
     # the same prompt read as text: the image's features and open mask change everything
@@ -203,8 +189,8 @@ def test_prefill_chunks_never_split_an_image(name: str, chunk: int, tiny: TinyMo
     per_image = VARIANTS[name]
     tokens, starts = _prompt(per_image, [[5, 17], [9, 8, 7], [33, 2, 1]])
     images = PromptImages(model, _images(_pixels(2, 2), starts, per_image), tokens)
-    whole, _ = _run(model, images, tokens, len(tokens))
-    chunked, ends = _run(model, images, tokens, chunk)
+    whole, _ = prefill(model, images, tokens, len(tokens))
+    chunked, ends = prefill(model, images, tokens, chunk)
     assert not any(s < e < s + per_image for s in starts for e in ends)
     np.testing.assert_allclose(chunked, whole, atol=1e-4, rtol=0)
 

@@ -6,6 +6,7 @@ imports both at the top.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping
 from functools import partial
@@ -65,7 +66,8 @@ _YARN = {
 
 
 def _deepseek(**extra: Any) -> Any:
-    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**_BASE, **extra}))
+    config = copy.deepcopy({**_BASE, **extra})  # transformers may rewrite nested dicts
+    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config))
 
 
 def _old_rope_keys(config: dict[str, Any]) -> dict[str, Any]:
@@ -79,26 +81,26 @@ def _old_rope_keys(config: dict[str, Any]) -> dict[str, Any]:
 
 
 # name -> (builder, config.json rewrite or None)
+# queries projected directly, biases, ungrouped routing, no renormalising, two shared
+# experts, MoE from layer 0, plain rope (V2-Lite's shape)
+DEEPSEEK_PLAIN: dict[str, Any] = {
+    "q_lora_rank": None,
+    "attention_bias": True,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.5,
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 5_000.0},
+}
+
 VARIANTS: Mapping[str, Variant] = {
     # q through the low-rank pair, interleaved YaRN rope, grouped routing
     "deepseek_v3": (lambda: _deepseek(rope_parameters=dict(_YARN)), None),
     # q_proj directly, plain rope in halves, biases, ungrouped routing, no renormalising,
     # two shared experts, MoE from layer 0
-    "deepseek_v3_plain": (
-        lambda: _deepseek(
-            q_lora_rank=None,
-            rope_interleave=False,
-            attention_bias=True,
-            n_group=1,
-            topk_group=1,
-            norm_topk_prob=False,
-            routed_scaling_factor=1.5,
-            n_shared_experts=2,
-            first_k_dense_replace=0,
-            rope_parameters={"rope_type": "default", "rope_theta": 5_000.0},
-        ),
-        None,
-    ),
+    "deepseek_v3_plain": (lambda: _deepseek(**DEEPSEEK_PLAIN, rope_interleave=False), None),
     "deepseek_v3_old_rope_keys": (lambda: _deepseek(rope_parameters=dict(_YARN)), _old_rope_keys),
 }
 

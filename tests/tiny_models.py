@@ -245,3 +245,28 @@ def torch_logits(model: Any, tokens: np.ndarray[Any, Any]) -> np.ndarray[Any, An
     with torch.no_grad():
         out = model(input_ids=torch.from_numpy(tokens.astype(np.int64)))
     return np.asarray(out.logits.float().numpy())
+
+
+def quantize_weight(
+    out: dict[str, mx.array], overrides: dict[str, Any], name: str, value: mx.array
+) -> None:
+    """`name` into `out` as an mlx-lm conversion stores it: 4-bit in groups of 32, a MoE
+    router (`mlp.gate`) 8-bit with its per-module override."""
+    module = name.removesuffix(".weight")
+    bits = 8 if name.endswith("mlp.gate.weight") else 4
+    if bits == 8:
+        overrides[module] = {"group_size": 32, "bits": 8}
+    w, s, b = mx.quantize(value, group_size=32, bits=bits)
+    out.update({name: w, f"{module}.scales": s, f"{module}.biases": b})
+
+
+def save_quantized(
+    src: Path, dst: Path, weights: dict[str, mx.array], overrides: dict[str, Any]
+) -> None:
+    """`weights` (from `quantize_weight`) as an MLX-quantized folder at `dst`, with
+    `src`'s config and a `quantization` entry (the caller writes the tokenizer)."""
+    dst.mkdir()
+    mx.save_safetensors(str(dst / "model.safetensors"), weights)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 4, **overrides}
+    (dst / "config.json").write_text(json.dumps(config))

@@ -104,10 +104,12 @@ def write_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def write_preprocessor_config(folder: Path, low: int = 256, high: int = 4096) -> None:
+def write_preprocessor_config(
+    folder: Path, low: int = 256, high: int = 4096, patch: int = PATCH
+) -> None:
     config = {
         "image_processor_type": "Qwen2VLImageProcessorFast",
-        "patch_size": PATCH,
+        "patch_size": patch,
         "temporal_patch_size": 2,
         "merge_size": MERGE,
         "image_mean": [0.5, 0.5, 0.5],

@@ -8,6 +8,7 @@ from types import MappingProxyType
 from typing import Any
 
 from runtime.models.base import ArgsLike, LanguageModel
+from runtime.models.linear import choose_small_gemm
 
 # model_type -> module under runtime.models (several types may share one module)
 _ARCHITECTURES: Mapping[str, str] = MappingProxyType(
@@ -55,6 +56,7 @@ def build_model(config: Mapping[str, Any]) -> LanguageModel:
     module = importlib.import_module(f"runtime.models.{module_name}")
     args = module.ModelArgs.from_config(config)
     model: LanguageModel = module.Model(args)
+    choose_small_gemm(model)  # by the shapes; the loader chooses again once sharded
     return model
 
 
