@@ -33,11 +33,20 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from enum import Enum
-from typing import Protocol, cast
+from typing import cast
 
-from runtime.handle import RequestHandle as RequestHandle  # re-exported: the engine's API
+from runtime.engine_types import BatchRunner as BatchRunner
+from runtime.engine_types import EngineFailure as EngineFailure
+from runtime.engine_types import EngineHealth as EngineHealth
+from runtime.engine_types import EngineState as EngineState
+from runtime.engine_types import EngineStats as EngineStats
+from runtime.engine_types import EngineStopped as EngineStopped
+from runtime.engine_types import EngineUnavailable as EngineUnavailable
+
+# re-exported: the engine's API
+from runtime.engine_types import QueueFull as QueueFull
+from runtime.engine_types import Runner as Runner
+from runtime.handle import RequestHandle as RequestHandle
 from runtime.handle import open_handle
 from runtime.types import Finished, FinishReason, GenerationRequest, GenerationStats
 
@@ -47,86 +56,6 @@ DEFAULT_STALL_SECONDS = 300.0  # a CPU prefill chunk of a long prompt can take m
 _IDLE_POLL_S = 1.0  # an idle worker wakes this often, so its heartbeat stays fresh
 _MAX_RESTART_DELAY_S = 60.0
 SHUTTING_DOWN = "server shutting down"
-
-
-class QueueFull(Exception):
-    """The engine's request queue is at capacity; retry later."""
-
-
-class EngineStopped(Exception):
-    """The engine is not running."""
-
-
-class EngineState(str, Enum):
-    STOPPED = "stopped"
-    RUNNING = "running"
-    DRAINING = "draining"  # new requests refused; the queued and running ones go on
-    FAILED = "failed"  # the worker died; a fresh one starts after a delay
-    STALLED = "stalled"  # the worker stopped stepping; a fresh one starts when it returns
-
-
-class EngineUnavailable(EngineStopped):
-    """The engine is started but takes no requests now (see `state`)."""
-
-    def __init__(self, message: str, state: EngineState) -> None:
-        super().__init__(message)
-        self.state = state
-
-
-class EngineFailure(Finished):
-    """How a request ends when the engine failed under it (its worker died or stalled):
-    not the request's fault, so worth retrying once the engine has restarted."""
-
-
-@dataclass(frozen=True)
-class EngineHealth:
-    state: EngineState
-    heartbeat_age: float | None  # seconds since the worker last stepped, admitted or polled
-    busy: bool
-    restarts: int  # fresh workers started after a failure or a stall
-    failures: int  # worker deaths and stalls
-    last_failure: str | None
-
-
-@dataclass
-class EngineStats:
-    """Counters the worker updates; read them for /health and metrics."""
-
-    requests_total: int = 0
-    requests_failed: int = 0
-    requests_cancelled: int = 0
-    prompt_tokens_total: int = 0
-    completion_tokens_total: int = 0
-    busy: bool = False
-    # the running batch, for a BatchRunner (sequences decoding, prompts being read,
-    # decode steps taken and their running average duration)
-    running: int = 0
-    prefilling: int = 0
-    decode_steps: int = 0
-    decode_step_seconds: float = 0.0
-
-
-class Runner(Protocol):
-    """Serves one request from start to finish."""
-
-    def run(self, handle: RequestHandle) -> Finished: ...
-
-
-class BatchRunner(Protocol):
-    """Serves many requests at once (runtime.runner.ModelRunner): `admit` takes one in
-    (raising if it cannot run), `step` advances them all and returns those that ended."""
-
-    @property
-    def idle(self) -> bool: ...
-    def has_room(self) -> bool: ...
-    def admit(self, handle: RequestHandle) -> None: ...
-    def step(self) -> list[tuple[RequestHandle, Finished]]: ...
-    def abort(
-        self, reason: FinishReason, error: str | None = None
-    ) -> list[tuple[RequestHandle, Finished]]: ...
-    def load(self) -> tuple[int, int, int, float]:
-        """(running, prefilling, decode steps taken, average decode step seconds)."""
-        ...
 
 
 class Engine:
