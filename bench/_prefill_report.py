@@ -111,6 +111,25 @@ def _targets(report: dict[str, Any], by: dict[tuple[str, str], Run]) -> None:
                   f"| {ratio:.2f}x | {verdict} |")  # fmt: skip
 
 
+def _compute(report: dict[str, Any], by: dict[tuple[str, str], Run]) -> None:
+    """How fast the gateway's prefill computes, and what that allows: at the 512
+    prompt's flop rate, a long prompt's tokens/s can be at most its flops per token
+    against the 512's (attention grows with the context; the weights' share does not)."""
+    print("\n| prompt | gateway run | prefill GFLOP | GFLOP/s | tok/s vs 512 "
+          "| tok/s vs 512 at the 512's GFLOP/s |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|")
+    for label in _labels(report):
+        ref = by.get((REFERENCE, label))
+        for name, tokens in report["prompts"].items():
+            gw = by.get((name, label))
+            if not (_ok(gw) and _ok(ref) and "prefill_flops" in gw and "prefill_flops" in ref):
+                continue
+            bound = (ref["prefill_flops"] / ref["tokens"]) / (gw["prefill_flops"] / tokens)
+            print(f"| {name} | {label} | {gw['prefill_flops'] / 1e9:.0f} "
+                  f"| {gw['prefill_flops'] / gw['ttft_s'] / 1e9:.1f} "
+                  f"| {gw['prefill_tps'] / ref['prefill_tps']:.2f}x | {bound:.2f}x |")  # fmt: skip
+
+
 def _memory(report: dict[str, Any], by: dict[tuple[str, str], Run]) -> None:
     long = _longest(report)
     print(f"\nmemory at the {long} prompt ({report['prompts'][long]} tokens + "
@@ -163,4 +182,5 @@ def print_report(report: dict[str, Any]) -> None:
             "threads wait for each other at every step)"
         )
     _targets(report, by)
+    _compute(report, by)
     _memory(report, by)

@@ -140,6 +140,22 @@ def _model_bytes(loaded: Any, tokens: int) -> tuple[int, int]:
     return int(weights), int(per_token * tokens)
 
 
+def _prefill_flops(loaded: Any, tokens: int) -> float:
+    """The arithmetic of a `tokens`-token prefill: 2 flops per weight of the decoder
+    layers per token, and the attention's two products over the causal triangle
+    (4 flops x layers x query heads x head size for each (query, key) pair). The
+    embedding lookup, norms, softmax and the last token's logits are left out."""
+    from mlx.utils import tree_flatten
+
+    flat: list[tuple[str, Any]] = tree_flatten(loaded.model.parameters())  # type: ignore[assignment]
+    layer_weights = sum(v.size for k, v in flat if ".layers." in f".{k}" and v.ndim >= 2)
+    cfg = loaded.config
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    pairs = tokens * (tokens + 1) / 2
+    return 2.0 * layer_weights * tokens + 4.0 * cfg["num_hidden_layers"] * heads * head_dim * pairs
+
+
 def _engine_settings() -> Any:
     """The server's settings, cache off unless this process's environment says otherwise
     (the variables `mlx-gateway serve` reads, e.g. through --gateway-only-env)."""
@@ -199,6 +215,7 @@ def worker_gateway(gguf: Path, ids: list[int], gen: int) -> dict[str, Any]:
         "hwm_reset": hwm_reset,
         "weights_bytes": weights,
         "kv_bytes": kv,
+        "prefill_flops": _prefill_flops(loaded, len(ids)),
         "dtype": loaded.dtype,
         "prefill_chunk": settings.prefill_chunk,
         "prefix_cache_bytes": settings.prefix_cache_bytes,

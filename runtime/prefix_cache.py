@@ -43,6 +43,7 @@ import mlx.core as mx
 from runtime.cache import LayerCache, Snapshot
 from runtime.prefix_disk import DiskTier
 from runtime.prefix_evict import TrieEviction
+from runtime.prefix_loan import Loan, RowState, hand_over, lendable, take_back
 from runtime.prefix_pins import Pins, label
 from runtime.prefix_plan import Plan, apply_plans, deferred_steps, plan_restore
 from runtime.prefix_report import CacheReport, EvictionMemory, continuation, disabled, report
@@ -93,6 +94,7 @@ class PrefixCache(TrieEviction, Generic[C]):
         self._trie = Trie(self._caches)
         self._path: list[Node] = [self._trie.root]
         self._lease: Lease[C] | None = None
+        self._loan: Loan | None = None  # the live state, lent to a batch row
         self._serial = 0
         self._tick = 0
         self._counts: Counter[str] = Counter()
@@ -148,6 +150,7 @@ class PrefixCache(TrieEviction, Generic[C]):
     def _begin_cached(
         self, keys: tuple[Key, ...], tag: str | None, boundaries: Sequence[int]
     ) -> Lease[C]:
+        self.reclaim()
         self._disk_ready()
         path, matched = self._trie.match(keys[:-1])  # always leave one token to run
         cached = continuation(path, matched)
@@ -227,6 +230,11 @@ class PrefixCache(TrieEviction, Generic[C]):
             raise ValueError("adopt() while a lease is open")
         keys = tuple(tokens)
         self._tick += 1
+        lent = self._loan is not None and self._extends_live(keys)
+        if lent and hand_over(self._caches, caches, len(keys)):  # type: ignore[arg-type]
+            self._loan = None  # the lent live path came back, with the row's output
+            return self._adopted(Lease(self._caches, len(keys), (), keys, self._serial))
+        self.reclaim()
         self._disk_ready()
         path, matched = self._trie.match(keys[:-1])
         try:
@@ -245,9 +253,52 @@ class PrefixCache(TrieEviction, Generic[C]):
                 return False
         # evaluated here, on the thread whose stream built it: `close` may run on another
         mx.eval([a for c in self._caches for a in c.state])
+        return self._adopted(lease)
+
+    def _adopted(self, lease: Lease[C]) -> bool:
+        self._lease = lease
         self._counts["adopted"] += 1
-        self.end(lease, keys)
+        self.end(lease, lease.tokens)
         return True
+
+    # -- lending the live state to a batch row (runtime/prefix_loan.py) --
+
+    def lend(self, source: Callable[[], RowState | None]) -> bool:
+        """Between requests: the live path's state is also in a batch row (`source`
+        gives the row's keys and values); drop the live caches' copy until it is next
+        needed. False (nothing changed) unless every layer is a plain KV cache."""
+        end = self._path[-1].end
+        if not self.enabled or self._lease is not None or self._loan is not None:
+            return False
+        if end == 0 or not lendable(self._caches):
+            return False
+        for cache in self._caches:
+            cache.free()
+        self._loan = Loan(source, end)
+        return True
+
+    def reclaim(self) -> None:
+        """Take a lent live path back from its batch row now (also before an abort drops
+        the batch); where the row is gone, or its arrays cannot be read (left on the
+        stream of a worker that died), drop the live path instead."""
+        loan, self._loan = self._loan, None
+        if loan is None:
+            return
+        try:
+            back = take_back(loan, self._caches)  # type: ignore[arg-type]
+        except RuntimeError as e:
+            log.info("prefix cache: taking the live path back failed (%s)", e)
+            back = False
+        if not back:
+            log.info("prefix cache: the batch row holding the live path is gone; dropping it")
+            self._clear_live()
+            self._enforce_budget()
+
+    def _extends_live(self, keys: tuple[Key, ...]) -> bool:
+        end = self._path[-1].end
+        return len(keys) >= end and keys[:end] == tuple(
+            k for node in self._path[1:] for k in node.keys
+        )
 
     def discard(self, lease: Lease[C]) -> None:
         """An error left the caches in an unknown state: drop the live state."""
@@ -424,6 +475,9 @@ class PrefixCache(TrieEviction, Generic[C]):
         if self._lease is not None:
             self.discard(self._lease)
         if self._disk is not None and not self._disk.closed:
+            self.reclaim()  # the live path goes to disk too
+        self._loan = None
+        if self._disk is not None and not self._disk.closed:
             try:
                 self._persist()
             except Exception:
@@ -504,6 +558,8 @@ class PrefixCache(TrieEviction, Generic[C]):
                 raise AssertionError(f"live path broken between {upper} and {lower}")
         live = self._path[-1].end
         offsets = {c.offset for c in self._caches}
+        if self._loan is not None:
+            offsets = {live}  # lent: the live caches are empty until taken back
         if self._lease is None and offsets and offsets != {live}:
             raise AssertionError(f"live caches at {offsets}, live path ends at {live}")
         if any(o < live for o in offsets):

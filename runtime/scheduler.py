@@ -34,10 +34,12 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from runtime.cache.batch import BatchCaches, batchable
+from runtime.cache.kv import KVCache
 from runtime.cache.ragged import RaggedCache
 from runtime.generate import CausalLM, _read, _sample_arrays
 from runtime.models.base import fusable
 from runtime.prefix_cache import Key, Lease, PrefixCache
+from runtime.prefix_loan import RowState
 from runtime.sampling import Sampler, SampleResult
 from runtime.sequence import SequenceOutput
 from runtime.types import Finished, FinishReason, GenerationStats
@@ -177,7 +179,8 @@ class Scheduler:
         self._batch: BatchCaches | None = None
         self._rows: list[_Seq] = []
         self._queue: deque[_Seq] = deque()  # admitted, prompt not yet in
-        self._writebacks: deque[tuple[list[Any], tuple[Key, ...]]] = deque()
+        # finished rows' caches and tokens, for the trie (the row: a loan's source)
+        self._writebacks: deque[tuple[list[Any], tuple[Key, ...], _Seq]] = deque()
         self._prefill_rate = 0.0  # tokens/s of recent prefill chunks
         self.trie_changed = False
         self.stats = SchedulerStats()
@@ -237,6 +240,7 @@ class Scheduler:
     ) -> list[tuple[RequestHandle, Finished]]:
         """End every sequence (shutdown, or a failed batched step): nothing goes back to
         the trie except what it already holds."""
+        self.prefix.reclaim()  # the live path, if lent to a row, before the rows go
         out = []
         for seq in [*self._rows, *self._queue]:
             if seq.prefill is not None:
@@ -377,7 +381,7 @@ class Scheduler:
             held = caches[0].offset
             tokens = (row.out.progress.prompt + tuple(row.out.progress.generated))[:held]
             keys = tokens if row.images is None else row.images.keys(tokens)
-            self._writebacks.append((caches, keys))
+            self._writebacks.append((caches, keys, row))
             done.append((row.handle, self._finished(row)))
         if self._batch is not None:
             self._batch.remove(ended)
@@ -497,7 +501,20 @@ class Scheduler:
         self._queue.popleft()
         self._end_prefill(seq)
         self._rows.append(seq)
+        if self._batched:  # the trie's copy of the prompt goes; the row's is the one
+            self.prefix.lend(lambda: self._row_state(seq))
         return []
+
+    def _row_state(self, seq: _Seq) -> RowState | None:
+        """A sequence's keys and values in every layer, wherever they are now: its
+        batch row, or its caches waiting to go back to the trie (None: gone)."""
+        i = next((i for i, r in enumerate(self._rows) if r is seq), None)
+        if i is not None and self._batch is not None:
+            return self._batch.views(i)
+        for caches, _, row in self._writebacks:
+            if row is seq and all(isinstance(c, KVCache) and c.keys is not None for c in caches):
+                return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
+        return None
 
     def _first_alone(self, seq: _Seq, caches: list[Any]) -> None:
         """The sequence's first decode step, in a forward of its own."""
@@ -515,7 +532,7 @@ class Scheduler:
 
     def _write_back(self) -> None:
         while self._writebacks:
-            caches, tokens = self._writebacks.popleft()
+            caches, tokens, _ = self._writebacks.popleft()
             if tokens:
                 self.prefix.adopt(tokens, caches)
                 self.trie_changed = True

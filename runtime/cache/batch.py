@@ -67,6 +67,11 @@ class BatchTokenCache:
         return len(self._pos)
 
     @property
+    def plain(self) -> bool:
+        """Rows of full-attention caches: every token kept (no window)."""
+        return self._window is None
+
+    @property
     def offset(self) -> mx.array:
         """Each row's position, (B,): rotary embeddings rotate every row by its own."""
         return mx.array(self._pos, dtype=mx.int32)
@@ -119,7 +124,18 @@ class BatchTokenCache:
         )
 
     def add(self, cache: KVCache | RotatingKVCache) -> None:
-        """Join a row at the end of the batch (its arrays are copied in)."""
+        """Join a row at the end of the batch (its arrays are copied in). The first row
+        of a plain KV cache lends its buffers instead: the batch writes its next tokens
+        in place there once the row's own cache lets go of them (the prefix trie lends
+        its live state, runtime/prefix_cache.py), so a long prompt's keys and values are
+        not held twice."""
+        if self.keys is None and _plain(cache):
+            assert cache.keys is not None and cache.values is not None
+            # new array objects on the same buffers: writing through one (in place only
+            # once the other lets go, else a copy) never changes what the other sees
+            self.keys, self.values = mx.array(cache.keys), mx.array(cache.values)
+            self._cols, self._left, self._pos = cache.offset, [0], [cache.offset]
+            return
         k, v = _temporal(cache)
         held = k.shape[2]
         if self.keys is None or self.values is None:
@@ -160,9 +176,29 @@ class BatchTokenCache:
         self._cols -= cut
         self._widen(_STEP)
 
-    def row(self, i: int) -> KVCache | RotatingKVCache:
-        """Row `i` as a cache of its own (a copy), holding the row's tokens."""
+    def view(self, i: int) -> tuple[mx.array, mx.array]:
+        """Row `i`'s keys and values, oldest first, without a copy."""
         assert self.keys is not None and self.values is not None
+        left = self._left[i]
+        return self.keys[i : i + 1, :, left : self._cols, :], self.values[
+            i : i + 1, :, left : self._cols, :
+        ]
+
+    def row(self, i: int) -> KVCache | RotatingKVCache:
+        """Row `i` as a cache of its own, holding the row's tokens: a copy, except that
+        the only row of plain KV caches gets the buffers themselves (the batch drops the
+        row next, runtime/scheduler.py)."""
+        assert self.keys is not None and self.values is not None
+        if (
+            self.rows == 1
+            and self._window is None
+            and self._left == [0]
+            and self._pos == [self._cols]
+        ):
+            own = self._kind()  # type: ignore[call-arg]  # a KVCache kind here
+            assert isinstance(own, KVCache)
+            own.hold(mx.array(self.keys), mx.array(self.values), self._cols)
+            return own
         k = self.keys[i : i + 1, :, self._left[i] : self._cols, :]
         v = self.values[i : i + 1, :, self._left[i] : self._cols, :]
         if self._window is not None:
@@ -177,6 +213,11 @@ class BatchTokenCache:
         assert isinstance(fresh, KVCache)
         fresh.update_and_fetch(mx.contiguous(k), mx.contiguous(v))
         return fresh
+
+
+def _plain(cache: object) -> bool:
+    """A full-attention KV cache holding something (not a window, not a subclass)."""
+    return type(cache) is KVCache and cache.keys is not None and cache.offset > 0
 
 
 def _pad_left(x: mx.array, n: int) -> mx.array:
@@ -295,5 +336,13 @@ class BatchCaches:
             layer.remove(rows)
 
     def row(self, i: int) -> list[RowCache]:
-        """Row `i` as per-layer caches of its own (copies)."""
+        """Row `i` as per-layer caches of its own, as it leaves (copies, or the buffers
+        themselves when it is the only row: `remove` it next)."""
         return [layer.row(i) for layer in self.layers]
+
+    def views(self, i: int) -> list[tuple[mx.array, mx.array]] | None:
+        """Row `i`'s keys and values in every layer, without a copy; None unless every
+        layer is a full-attention token cache."""
+        if not all(isinstance(x, BatchTokenCache) and x.plain for x in self.layers):
+            return None
+        return [layer.view(i) for layer in self.layers]  # type: ignore[union-attr]

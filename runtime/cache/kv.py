@@ -162,3 +162,11 @@ class KVCache:
     def free(self) -> None:
         self.keys = self.values = None
         self._offset = 0
+
+    def hold(self, keys: mx.array, values: mx.array, offset: int) -> None:
+        """Take these buffers as its own, without a copy: their first `offset` positions
+        are the tokens seen, the columns after them room to grow (a batch's buffers
+        handed back when its last row leaves, runtime/cache/batch.py)."""
+        if not 0 <= offset <= min(keys.shape[2], values.shape[2]):
+            raise ValueError(f"offset {offset} outside buffers of {keys.shape[2]} columns")
+        self.keys, self.values, self._offset = keys, values, offset

@@ -207,6 +207,11 @@ class LockstepPrefixCache(PrefixCache[C]):
         self.agree: Agree | None = None
         self.rewindable: bool | None = None  # every rank's layers, once agreed
 
+    def lend(self, source: Any) -> bool:
+        """Never: a rank whose layers are all plain KV caches would lend and take back
+        when another does not, and the ranks' restores (and their collectives) part."""
+        return False
+
     def _plan(
         self, path: list[Node], matched: int, live: int, use_disk: bool
     ) -> tuple[int, list[Plan]]:
