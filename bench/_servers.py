@@ -19,6 +19,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 300.0
+
+
 @dataclass(frozen=True)
 class ServerSpec:
     name: str
@@ -115,8 +117,13 @@ def running(spec: ServerSpec, port: int, log: Path) -> Iterator[str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            spec.cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            spec.cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         try:
             base = f"http://127.0.0.1:{port}"

@@ -189,7 +189,9 @@ class Accountant:
         from templates import Message, RenderOptions
 
         msgs = [Message(role=m["role"], content=m["content"]) for m in messages]
-        text = self.renderer.render(msgs, (), RenderOptions(add_generation_prompt=generation_prompt))
+        text = self.renderer.render(
+            msgs, (), RenderOptions(add_generation_prompt=generation_prompt)
+        )
         return self.tok.encode_prompt(text)
 
 
@@ -275,7 +277,9 @@ class ServerResult:
     turns: tuple[TurnResult, ...] = ()
     error: str | None = None
     extra: str = ""
-    load: str = ""  # the machine's 1-minute load average before and after: others' work skews timings
+    load: str = (
+        ""  # the machine's 1-minute load average before and after: others' work skews timings
+    )
 
 
 class _LogReader:
@@ -309,16 +313,24 @@ class Transcript:
 
     @classmethod
     def start(cls, work: Workload) -> Transcript:
-        return cls([[{"role": "system", "content": work.system}] for _ in range(work.conversations)], [])
+        return cls(
+            [[{"role": "system", "content": work.system}] for _ in range(work.conversations)], []
+        )
 
 
-def warm_up(base: str, spec: ServerSpec, work: Workload, acct: Accountant, reader: _LogReader) -> list[int]:
+def warm_up(
+    base: str, spec: ServerSpec, work: Workload, acct: Accountant, reader: _LogReader
+) -> list[int]:
     """One request unrelated to the replay (no shared system prompt) but long enough to
     run prefill once; the rendered conversation, for the reuse accounting."""
-    warm = [{"role": "user", "content": "Count these words: " + "apple pear plum " * work.warmup_words}]
+    warm = [
+        {"role": "user", "content": "Count these words: " + "apple pear plum " * work.warmup_words}
+    ]
     reply = chat(base, spec.model, warm, 4)
     reader.new_text()
-    return acct.render([*warm, {"role": "assistant", "content": reply.text}], generation_prompt=False)
+    return acct.render(
+        [*warm, {"role": "assistant", "content": reply.text}], generation_prompt=False
+    )
 
 
 def replay(
@@ -358,7 +370,9 @@ def _gateway_stats(base: str) -> str:
     return ""
 
 
-def bench_server(spec: ServerSpec, port: int, work: Workload, acct: Accountant, logdir: Path) -> ServerResult:
+def bench_server(
+    spec: ServerSpec, port: int, work: Workload, acct: Accountant, logdir: Path
+) -> ServerResult:
     log = logdir / f"{spec.name}.log"
     load_before = os.getloadavg()[0]
     print(f"[{spec.name}] starting: log {log}", file=sys.stderr, flush=True)
@@ -432,8 +446,10 @@ def _ratio(a: Summary | None, b: Summary | None) -> str:
 def _print_summary(results: Sequence[ServerResult]) -> None:
     sums = {r.name: Summary.of(r.turns) for r in results if r.error is None}
     off, mlx = sums.get("gateway-nocache"), sums.get("mlx-lm")
-    print("| server | how | total TTFT s | mean TTFT turn 1 s | mean TTFT later s "
-          "| reused tok | computed tok | reused / reusable | vs cache off | vs mlx-lm server | load avg |")
+    print(
+        "| server | how | total TTFT s | mean TTFT turn 1 s | mean TTFT later s "
+        "| reused tok | computed tok | reused / reusable | vs cache off | vs mlx-lm server | load avg |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         s = sums.get(r.name)
@@ -443,8 +459,10 @@ def _print_summary(results: Sequence[ServerResult]) -> None:
         share = f"{s.reused / s.reusable:.1%}" if s.reused is not None and s.reusable else "n/a"
         reused = "n/a" if s.reused is None else str(s.reused)
         computed = "n/a" if s.computed is None else str(s.computed)
-        print(f"| {r.name} | {r.note} | {s.total:.2f} | {s.first_mean:.3f} | {s.later_mean:.3f} "
-              f"| {reused} | {computed} | {share} | {_ratio(s, off)} | {_ratio(s, mlx)} | {r.load} |")
+        print(
+            f"| {r.name} | {r.note} | {s.total:.2f} | {s.first_mean:.3f} | {s.later_mean:.3f} "
+            f"| {reused} | {computed} | {share} | {_ratio(s, off)} | {_ratio(s, mlx)} | {r.load} |"
+        )
     _print_verdict(sums.get("gateway"), off, mlx)
 
 
@@ -479,7 +497,11 @@ def _print_turns(results: Sequence[ServerResult]) -> None:
             t = r.turns[i]
             reused = "n/a" if t.reused is None else str(t.reused)
             cells.append(f"{t.ttft:.3f} ({reused}/{t.reusable})")
-        print(f"| {base.conv + 1} | {base.turn + 1} | {base.prompt_tokens} | " + " | ".join(cells) + " |")
+        print(
+            f"| {base.conv + 1} | {base.turn + 1} | {base.prompt_tokens} | "
+            + " | ".join(cells)
+            + " |"
+        )
     for r in done:
         if r.extra:
             print(f"\n{r.name} {r.extra}")
@@ -487,7 +509,9 @@ def _print_turns(results: Sequence[ServerResult]) -> None:
 
 # ---------------------------------------------------------------- main
 def _args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2-135m", help="store alias (a llama-family GGUF)")
     p.add_argument("--conversations", type=int, default=3)
     p.add_argument("--turns", type=int, default=4)
@@ -495,14 +519,18 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=20)
     p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
     p.add_argument("--fixture", default=None, help=f"client request JSON (default {FIXTURE})")
-    p.add_argument("--quick", action="store_true", help="2 conversations x 2 turns, 600-token system")
+    p.add_argument(
+        "--quick", action="store_true", help="2 conversations x 2 turns, 600-token system"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.conversations, args.turns, args.system_tokens, args.max_tokens = 2, 2, 600, 8
     return args
 
 
-def _spec(name: str, port: int, gguf: Path, args: argparse.Namespace, acct: Accountant, n: int) -> ServerSpec:
+def _spec(
+    name: str, port: int, gguf: Path, args: argparse.Namespace, acct: Accountant, n: int
+) -> ServerSpec:
     if name == "mlx-lm":
         return _mlx_spec(mlx_folder(gguf, args.model, acct), port, n)
     if name == "llama.cpp":
@@ -510,7 +538,9 @@ def _spec(name: str, port: int, gguf: Path, args: argparse.Namespace, acct: Acco
     return _gateway_spec(name, args.model, port)
 
 
-def run_all(args: argparse.Namespace, gguf: Path, acct: Accountant, work: Workload) -> list[ServerResult]:
+def run_all(
+    args: argparse.Namespace, gguf: Path, acct: Accountant, work: Workload
+) -> list[ServerResult]:
     logdir = Path(tempfile.mkdtemp(prefix="agent_replay_"))  # kept: the servers' logs
     results = []
     for name in [s for s in SERVERS if s in args.servers]:
@@ -531,13 +561,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     gguf = Store().resolve(args.model)
     acct = Accountant(gguf)
     fixture = _find_fixture(args.fixture)
-    work = Workload(system_text(acct, fixture, args.system_tokens), args.conversations,
-                    args.turns, args.max_tokens)
+    work = Workload(
+        system_text(acct, fixture, args.system_tokens),
+        args.conversations,
+        args.turns,
+        args.max_tokens,
+    )
     results = run_all(args, gguf, acct, work)
-    print(f"\n{args.model}: {args.conversations} conversations x {args.turns} turns interleaved, "
-          f"system prompt + tools {acct.count(work.system)} tokens "
-          f"({fixture.name if fixture else 'synthetic'}), {args.max_tokens} new tokens per turn, "
-          f"greedy, streaming\n")
+    print(
+        f"\n{args.model}: {args.conversations} conversations x {args.turns} turns interleaved, "
+        f"system prompt + tools {acct.count(work.system)} tokens "
+        f"({fixture.name if fixture else 'synthetic'}), {args.max_tokens} new tokens per turn, "
+        f"greedy, streaming\n"
+    )
     _print_summary(results)
     _print_turns(results)
 

@@ -124,7 +124,9 @@ def _shared(base: str) -> int | None:
     return None
 
 
-def run(spec: ServerSpec, port: int, args: argparse.Namespace, folder: Path, log: Path) -> dict[str, Sent]:
+def run(
+    spec: ServerSpec, port: int, args: argparse.Namespace, folder: Path, log: Path
+) -> dict[str, Sent]:
     out: dict[str, Sent] = {}
     with running(spec, port, log) as base:
         model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]

@@ -98,7 +98,9 @@ def worker_mlxlm(folder: Path, prompt_tokens: int, gen_tokens: int, repeats: int
                 _ = int(tok)
                 first = time.perf_counter()
         end = time.perf_counter()
-        runs.append((prompt_tokens / (first - start), (n - 1) / (end - first), mx.get_peak_memory()))
+        runs.append(
+            (prompt_tokens / (first - start), (n - 1) / (end - first), mx.get_peak_memory())
+        )
     return _best(runs)
 
 
@@ -111,9 +113,20 @@ def worker_blas(gguf: Path, prompt_tokens: int) -> dict[str, Any]:
     loaded = load(gguf)
     cfg = loaded.config
     h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    heads, kv = (
+        cfg["num_attention_heads"],
+        cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+    )
     hd = cfg.get("head_dim") or h // heads
-    shapes = [(h, heads * hd), (h, kv * hd), (h, kv * hd), (heads * hd, h), (h, inter), (h, inter), (inter, h)]
+    shapes = [
+        (h, heads * hd),
+        (h, kv * hd),
+        (h, kv * hd),
+        (heads * hd, h),
+        (h, inter),
+        (h, inter),
+        (inter, h),
+    ]
     x = {k: mx.random.normal((prompt_tokens, k)) for k, _ in shapes}
     ws = [mx.random.normal((k, n)) for k, n in shapes]
     mx.eval(list(x.values()), ws)
@@ -128,7 +141,10 @@ def worker_blas(gguf: Path, prompt_tokens: int) -> dict[str, Any]:
     for _ in range(reps * layers):
         once()
     per_layer = (time.perf_counter() - start) / (reps * layers)
-    return {"blas_prefill_tps": prompt_tokens / (per_layer * layers), "gflops": flops / (per_layer * layers) / 1e9}
+    return {
+        "blas_prefill_tps": prompt_tokens / (per_layer * layers),
+        "gflops": flops / (per_layer * layers) / 1e9,
+    }
 
 
 def _best(runs: list[tuple[float, float, int]]) -> dict[str, Any]:
@@ -175,7 +191,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         _worker_main(sys.argv[2:])
         return
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--gen-tokens", type=int, default=128)
@@ -207,14 +225,24 @@ def main() -> None:
 
 
 def _print_table(rows: list[tuple[str, Any, Any, Any, Any]], args: argparse.Namespace) -> None:
-    print(f"\nprompt {args.prompt_tokens} tokens, {args.gen_tokens} generated, greedy, best of {args.repeats}")
+    print(
+        f"\nprompt {args.prompt_tokens} tokens, {args.gen_tokens} generated, greedy, best of {args.repeats}"
+    )
     print("| model | run | prefill tok/s | decode tok/s | peak GB |")
     print("|---|---|---:|---:|---:|")
     for alias, gw, f32, bf16, ceil in rows:
-        for name, r in (("gateway f32+BLAS", gw), ("mlx-lm f32+BLAS", f32), ("mlx-lm bf16 stock", bf16)):
-            print(f"| {alias} | {name} | {r['prefill_tps']:.1f} | {r['decode_tps']:.1f} | {r['peak_gb']:.2f} |")
+        for name, r in (
+            ("gateway f32+BLAS", gw),
+            ("mlx-lm f32+BLAS", f32),
+            ("mlx-lm bf16 stock", bf16),
+        ):
+            print(
+                f"| {alias} | {name} | {r['prefill_tps']:.1f} | {r['decode_tps']:.1f} | {r['peak_gb']:.2f} |"
+            )
         print(f"| {alias} | BLAS matmuls only | {ceil['blas_prefill_tps']:.1f} | | |")
-    print("\n| model | decode vs mlx-lm same weights (>=1.0) | decode vs mlx-lm out of box (>=2.5) | prefill vs BLAS ceiling (<=3x) |")
+    print(
+        "\n| model | decode vs mlx-lm same weights (>=1.0) | decode vs mlx-lm out of box (>=2.5) | prefill vs BLAS ceiling (<=3x) |"
+    )
     print("|---|---:|---:|---:|")
     for alias, gw, f32, bf16, ceil in rows:
         print(

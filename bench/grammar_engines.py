@@ -88,7 +88,10 @@ def _schemas() -> dict[str, dict[str, Any]]:
 # -- llguidance ---------------------------------------------------------------------------
 
 _OPTIONS = {
-    "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True,
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": True,
 }
 
 
@@ -120,7 +123,9 @@ def _draw_document(lltok: Any, schema: dict[str, Any], vocab_size: int, seed: in
     return str(lltok.decode_str(out))
 
 
-def _time_llguidance(lltok: Any, schema: dict[str, Any], tokens: list[int], size: int) -> dict[str, Any]:
+def _time_llguidance(
+    lltok: Any, schema: dict[str, Any], tokens: list[int], size: int
+) -> dict[str, Any]:
     import llguidance as llg
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
@@ -150,7 +155,9 @@ def _xgr_info(hf: Any, eos: list[int], size: int) -> Any:
     return xgr.TokenizerInfo.from_huggingface(fast, vocab_size=size, stop_token_ids=eos)
 
 
-def _time_xgrammar(info: Any, schema: dict[str, Any], tokens: list[int], size: int) -> dict[str, Any]:
+def _time_xgrammar(
+    info: Any, schema: dict[str, Any], tokens: list[int], size: int
+) -> dict[str, Any]:
     import xgrammar as xgr
 
     t0 = time.perf_counter()
@@ -194,10 +201,14 @@ def bench_vocab(vocab: str, repeats: int) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     info = _xgr_info(hf, eos, size)
     xgr_tok_s = time.perf_counter() - t0
-    print(f"\n== {vocab}: vocab {size}; tokenizer import llguidance {llg_tok_s:.2f} s, "
-          f"xgrammar {xgr_tok_s:.2f} s")
-    print(f"{'schema':<24}{'tokens':>7}  {'llguidance mean/p50/p99 us':>28}  "
-          f"{'xgrammar mean/p50/p99 us':>26}  {'compile ms llg/xgr':>19}  {'xgr/llg':>7}")
+    print(
+        f"\n== {vocab}: vocab {size}; tokenizer import llguidance {llg_tok_s:.2f} s, "
+        f"xgrammar {xgr_tok_s:.2f} s"
+    )
+    print(
+        f"{'schema':<24}{'tokens':>7}  {'llguidance mean/p50/p99 us':>28}  "
+        f"{'xgrammar mean/p50/p99 us':>26}  {'compile ms llg/xgr':>19}  {'xgr/llg':>7}"
+    )
     rows = []
     for i, (name, schema) in enumerate(_schemas().items()):
         if name == "free_text":
@@ -208,16 +219,21 @@ def bench_vocab(vocab: str, repeats: int) -> list[dict[str, Any]]:
         a = _best(lambda s=schema, t=tokens: _time_llguidance(lltok, s, t, size), repeats)
         b = _best(lambda s=schema, t=tokens: _time_xgrammar(info, s, t, size), repeats)
         ratio = b["mean_us"] / a["mean_us"]
-        print(f"{name:<24}{len(tokens):>7}  {a['mean_us']:>10.1f}{a['p50_us']:>9.1f}{a['p99_us']:>9.1f}  "
-              f"{b['mean_us']:>9.1f}{b['p50_us']:>9.1f}{b['p99_us']:>8.1f}  "
-              f"{a['compile_ms']:>9.1f}/{b['compile_ms']:<9.1f}  {ratio:>6.2f}x")
-        rows.append({"vocab": vocab, "schema": name, "tokens": len(tokens), "llguidance": a,
-                     "xgrammar": b})
+        print(
+            f"{name:<24}{len(tokens):>7}  {a['mean_us']:>10.1f}{a['p50_us']:>9.1f}{a['p99_us']:>9.1f}  "
+            f"{b['mean_us']:>9.1f}{b['p50_us']:>9.1f}{b['p99_us']:>8.1f}  "
+            f"{a['compile_ms']:>9.1f}/{b['compile_ms']:<9.1f}  {ratio:>6.2f}x"
+        )
+        rows.append(
+            {"vocab": vocab, "schema": name, "tokens": len(tokens), "llguidance": a, "xgrammar": b}
+        )
     return rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--vocab", nargs="+", default=["qwen3", "gemma3", "qwen2.5-gguf"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, help="also write the rows here")
@@ -227,8 +243,10 @@ def main() -> None:
         rows += bench_vocab(vocab, args.repeats)
     for engine in ("llguidance", "xgrammar"):
         means = [r[engine]["mean_us"] for r in rows]
-        print(f"{engine}: mean per-token cost over all rows {statistics.fmean(means):.1f} us, "
-              f"worst row {max(means):.1f} us")
+        print(
+            f"{engine}: mean per-token cost over all rows {statistics.fmean(means):.1f} us, "
+            f"worst row {max(means):.1f} us"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -250,7 +250,9 @@ def test_thinking_budget_closes_the_reasoning_block(thinking_url: str) -> None:
         assert msg.usage.output_tokens == 24
     with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
         client.messages.create(
-            model=MODEL, max_tokens=24, messages=HELLO,
+            model=MODEL,
+            max_tokens=24,
+            messages=HELLO,
             thinking={"type": "enabled", "budget_tokens": 0},
         )
 

@@ -33,7 +33,9 @@ def test_layers_contract_holds() -> None:
 
 
 def test_ruff_clean() -> None:
-    out = _run(_tool("ruff"), "check", "gateway", "runtime", "parsers", "templates", "tests", "bench")
+    out = _run(
+        _tool("ruff"), "check", "gateway", "runtime", "parsers", "templates", "tests", "bench"
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 

@@ -44,7 +44,9 @@ def _prompt_ids(loaded: LoadedModel, text: str) -> list[int]:
 
 def _ours(loaded: LoadedModel, ids: list[int]) -> list[int]:
     sampler = Sampler(SamplingParams(temperature=0.0), loaded.model.args.vocab_size, ids)
-    gen = generate_tokens(loaded.model, loaded.model.make_caches(), ids, sampler, max_tokens=N_TOKENS)
+    gen = generate_tokens(
+        loaded.model, loaded.model.make_caches(), ids, sampler, max_tokens=N_TOKENS
+    )
     return [t.token_id for t in gen]
 
 

@@ -323,7 +323,10 @@ def test_sealed_reasoning_round_trips(thinking_url: str) -> None:
 def test_forced_function_call_streamed_and_not(base_url: str) -> None:
     # no arguments to choose and one call: the random model's near-tied logits cannot
     # make the call longer than the 6 tokens allowed
-    ping = {**PING, "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}
+    ping = {
+        **PING,
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    }
     request = {"model": TINY, "input": "Is the service up?", "tools": [ping, WEATHER],
                "tool_choice": {"type": "function", "name": "ping"}, "max_output_tokens": 6,
                "parallel_tool_calls": False}  # fmt: skip

@@ -354,4 +354,6 @@ def test_reasoning_budget_starts_inside_and_leaves_a_short_block_alone() -> None
     rows = _steered([9, 9, 9])
     results = [sampler.sample(row) for row in rows]
     expected = _np_log_softmax(np.array(rows[2]))[CLOSE]
-    assert _tok(results[2]) == CLOSE and math.isclose(_lp(results[2]), float(expected), rel_tol=1e-5)
+    assert _tok(results[2]) == CLOSE and math.isclose(
+        _lp(results[2]), float(expected), rel_tol=1e-5
+    )

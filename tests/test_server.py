@@ -49,7 +49,9 @@ def client(base_url: str) -> Any:
 def _post(base_url: str, body: Any, **kw: Any) -> httpx.Response:
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
     headers = {"content-type": "application/json"}
-    return httpx.post(f"{base_url}/v1/chat/completions", content=data, headers=headers, timeout=120, **kw)
+    return httpx.post(
+        f"{base_url}/v1/chat/completions", content=data, headers=headers, timeout=120, **kw
+    )
 
 
 def _sse_chunks(base_url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -85,7 +87,12 @@ def test_non_streaming_body_validates(base_url: str) -> None:
 def test_streaming_chunks_validate_and_match_non_streaming(base_url: str) -> None:
     req = {"model": MODEL, "messages": HELLO, "max_tokens": 24, "temperature": 0}
     whole = ChatCompletion.model_validate(_post(base_url, req).json())
-    chunks = [ChatCompletionChunk.model_validate(c) for c in _sse_chunks(base_url, {**req, "stream": True, "stream_options": {"include_usage": True}})]
+    chunks = [
+        ChatCompletionChunk.model_validate(c)
+        for c in _sse_chunks(
+            base_url, {**req, "stream": True, "stream_options": {"include_usage": True}}
+        )
+    ]
     assert chunks[0].choices[0].delta.role == "assistant"
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 1 and finals[0].choices[0].finish_reason == whole.choices[0].finish_reason
@@ -144,43 +151,187 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("empty body", b"", 400, None),
     ("missing messages", {"model": MODEL}, 400, "messages"),
     ("empty messages", {"model": MODEL, "messages": []}, 400, "messages"),
-    ("bad role", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    (
+        "bad role",
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages",
+    ),
     ("wrong type", {"model": MODEL, "messages": "hello"}, 400, "messages"),
-    ("negative max_tokens", {"model": MODEL, "messages": HELLO, "max_tokens": -1}, 400, "max_tokens"),
-    ("prompt over the context", {"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}], "max_tokens": 2}, 400, "messages"),
-    ("temperature too high", {"model": MODEL, "messages": HELLO, "temperature": 5}, 400, "temperature"),
-    ("tools", {"model": MODEL, "messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("json schema", {"model": MODEL, "messages": HELLO, "response_format": {"type": "json_schema"}}, 400, "response_format"),
-    ("logit_bias out of vocab", {"model": MODEL, "messages": HELLO, "logit_bias": {"999999999": 1}}, 400, "logit_bias"),
-    ("image to text model", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "messages"),
+    (
+        "negative max_tokens",
+        {"model": MODEL, "messages": HELLO, "max_tokens": -1},
+        400,
+        "max_tokens",
+    ),
+    (
+        "prompt over the context",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "word " * 9000}],
+            "max_tokens": 2,
+        },
+        400,
+        "messages",
+    ),
+    (
+        "temperature too high",
+        {"model": MODEL, "messages": HELLO, "temperature": 5},
+        400,
+        "temperature",
+    ),
+    (
+        "tools",
+        {
+            "model": MODEL,
+            "messages": HELLO,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        400,
+        "tools",
+    ),
+    (
+        "json schema",
+        {"model": MODEL, "messages": HELLO, "response_format": {"type": "json_schema"}},
+        400,
+        "response_format",
+    ),
+    (
+        "logit_bias out of vocab",
+        {"model": MODEL, "messages": HELLO, "logit_bias": {"999999999": 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "image to text model",
+        {
+            "model": MODEL,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+                    ],
+                }
+            ],
+        },
+        400,
+        "messages",
+    ),
     ("unknown model", {"model": "gpt-9", "messages": HELLO}, 404, "model"),
     ("missing model", {"messages": HELLO}, 400, "model"),
     ("null messages", {"model": MODEL, "messages": None}, 400, "messages"),
-    ("content of a wrong type", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
-    ("user content null", {"model": MODEL, "messages": [{"role": "user", "content": None}]}, 400, "messages[0].content"),
-    ("unknown content part", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "video", "video": {}}]}]}, 400, "messages[0].content[0]"),
+    (
+        "content of a wrong type",
+        {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+        400,
+        "messages",
+    ),
+    (
+        "user content null",
+        {"model": MODEL, "messages": [{"role": "user", "content": None}]},
+        400,
+        "messages[0].content",
+    ),
+    (
+        "unknown content part",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": [{"type": "video", "video": {}}]}],
+        },
+        400,
+        "messages[0].content[0]",
+    ),
     ("message not an object", {"model": MODEL, "messages": ["hi"]}, 400, "messages"),
-    ("tool without id", {"model": MODEL, "messages": [*HELLO, {"role": "tool", "content": "x"}]}, 400, "messages[1].tool_call_id"),
-    ("bad tool-call arguments", {"model": MODEL, "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}, *HELLO]}, 400, "messages[0].tool_calls[0]"),
-    ("max_tokens of a wrong type", {"model": MODEL, "messages": HELLO, "max_tokens": "ten"}, 400, "max_tokens"),
+    (
+        "tool without id",
+        {"model": MODEL, "messages": [*HELLO, {"role": "tool", "content": "x"}]},
+        400,
+        "messages[1].tool_call_id",
+    ),
+    (
+        "bad tool-call arguments",
+        {
+            "model": MODEL,
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{oops"},
+                        }
+                    ],
+                },
+                *HELLO,
+            ],
+        },
+        400,
+        "messages[0].tool_calls[0]",
+    ),
+    (
+        "max_tokens of a wrong type",
+        {"model": MODEL, "messages": HELLO, "max_tokens": "ten"},
+        400,
+        "max_tokens",
+    ),
     ("zero max_tokens", {"model": MODEL, "messages": HELLO, "max_tokens": 0}, 400, "max_tokens"),
     ("n too large", {"model": MODEL, "messages": HELLO, "n": 1000}, 400, "n"),
     ("negative top_k", {"model": MODEL, "messages": HELLO, "top_k": -1}, 400, "top_k"),
     ("top_p zero", {"model": MODEL, "messages": HELLO, "top_p": 0}, 400, "top_p"),
     ("seed of a wrong type", {"model": MODEL, "messages": HELLO, "seed": "x"}, 400, "seed"),
-    ("too many stops", {"model": MODEL, "messages": HELLO, "stop": [str(i) for i in range(17)]}, 400, "stop"),
+    (
+        "too many stops",
+        {"model": MODEL, "messages": HELLO, "stop": [str(i) for i in range(17)]},
+        400,
+        "stop",
+    ),
     ("stop of a wrong type", {"model": MODEL, "messages": HELLO, "stop": 5}, 400, "stop"),
-    ("metadata of a wrong type", {"model": MODEL, "messages": HELLO, "metadata": {"k": 1}}, 400, "metadata"),
-    ("top_logprobs too large", {"model": MODEL, "messages": HELLO, "top_logprobs": 30, "logprobs": True}, 400, "top_logprobs"),
-    ("NaN temperature", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, None),
+    (
+        "metadata of a wrong type",
+        {"model": MODEL, "messages": HELLO, "metadata": {"k": 1}},
+        400,
+        "metadata",
+    ),
+    (
+        "top_logprobs too large",
+        {"model": MODEL, "messages": HELLO, "top_logprobs": 30, "logprobs": True},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "NaN temperature",
+        b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+        400,
+        None,
+    ),
     ("deep nesting", b"[" * 100_000 + b"]" * 100_000, 400, None),
-    ("a 5000-digit number", b'{"model": "smollm2-135m", "max_tokens": 1' + b"0" * 5000 + b"}", 400, None),
-    ("lone surrogate", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "messages[0].content"),
-    ("invalid utf-8", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\xff"}]}', 400, None),
+    (
+        "a 5000-digit number",
+        b'{"model": "smollm2-135m", "max_tokens": 1' + b"0" * 5000 + b"}",
+        400,
+        None,
+    ),
+    (
+        "lone surrogate",
+        b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        400,
+        "messages[0].content",
+    ),
+    (
+        "invalid utf-8",
+        b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\xff"}]}',
+        400,
+        None,
+    ),
 ]
 
 
-@pytest.mark.parametrize(("name", "body", "status", "param"), BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    ("name", "body", "status", "param"), BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS]
+)
 def test_malformed_requests_get_openai_errors(
     base_url: str, name: str, body: Any, status: int, param: str | None
 ) -> None:
@@ -219,7 +370,11 @@ def test_prefix_cache_reuses_a_conversation(base_url: str) -> None:
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     cached = again.usage.prompt_tokens_details.cached_tokens or 0
     assert again.usage.prompt_tokens - 8 <= cached < again.usage.prompt_tokens
-    turn2 = [*first, {"role": "assistant", "content": a.choices[0].message.content}, {"role": "user", "content": "One more."}]
+    turn2 = [
+        *first,
+        {"role": "assistant", "content": a.choices[0].message.content},
+        {"role": "user", "content": "One more."},
+    ]
     b = ChatCompletion.model_validate(_post(base_url, {**req, "messages": turn2}).json())
     assert b.usage is not None and b.usage.prompt_tokens_details is not None and a.usage is not None
     assert (b.usage.prompt_tokens_details.cached_tokens or 0) >= a.usage.prompt_tokens - 8
@@ -240,23 +395,81 @@ def test_prefix_cache_view_answers_while_a_request_runs(base_url: str) -> None:
 
 
 FUZZ_VALUES: list[Any] = [
-    None, True, 0, -1, 2, 10**20, 0.5, -0.5, 1e308, "", "x", "\u0000", [], {}, [1], ["a"],
-    {"a": 1}, [[1]], [{"type": "text", "text": "hi"}], [{"type": "text"}], [{"type": "weird"}],
+    None,
+    True,
+    0,
+    -1,
+    2,
+    10**20,
+    0.5,
+    -0.5,
+    1e308,
+    "",
+    "x",
+    "\u0000",
+    [],
+    {},
+    [1],
+    ["a"],
+    {"a": 1},
+    [[1]],
+    [{"type": "text", "text": "hi"}],
+    [{"type": "text"}],
+    [{"type": "weird"}],
 ]
 FUZZ_FIELDS = [
-    "model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "n", "stop", "seed", "user",
-    "metadata", "store", "tools", "tool_choice", "response_format", "reasoning_effort",
-    "chat_template_kwargs", "prompt", "echo", "best_of", "suffix", "tokens",
+    "model",
+    "messages",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "n",
+    "stop",
+    "seed",
+    "user",
+    "metadata",
+    "store",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "reasoning_effort",
+    "chat_template_kwargs",
+    "prompt",
+    "echo",
+    "best_of",
+    "suffix",
+    "tokens",
 ]
 
 
 def _fuzz_body(rng: random.Random) -> dict[str, Any]:
     roles = ["system", "developer", "user", "user", "assistant", "tool", "wizard"]
-    contents: list[Any] = ["hi", "hi", None, "", [{"type": "text", "text": "a"}], 5, [{"type": "x"}]]
+    contents: list[Any] = [
+        "hi",
+        "hi",
+        None,
+        "",
+        [{"type": "text", "text": "a"}],
+        5,
+        [{"type": "x"}],
+    ]
     messages = [
-        {"role": rng.choice(roles), "content": rng.choice(contents), "tool_call_id": rng.choice([None, "c"])}
+        {
+            "role": rng.choice(roles),
+            "content": rng.choice(contents),
+            "tool_call_id": rng.choice([None, "c"]),
+        }
         for _ in range(rng.randint(0, 3))
     ]
     body: dict[str, Any] = {"model": MODEL, "messages": messages, "prompt": "hi", "max_tokens": 2}

@@ -55,7 +55,9 @@ def _post(base_url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 def _stream(base_url: str, body: dict[str, Any]) -> list[ChatCompletionChunk]:
     chunks = []
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json={**body, "stream": True}, timeout=300) as r:
+    with httpx.stream(
+        "POST", f"{base_url}/v1/chat/completions", json={**body, "stream": True}, timeout=300
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data:") and line[5:].strip() != "[DONE]":
                 chunks.append(ChatCompletionChunk.model_validate(json.loads(line[5:])))
@@ -91,13 +93,17 @@ def test_first_turn_is_a_tool_call_non_streaming(base_url: str) -> None:
 
 
 def test_first_turn_streams_incremental_arguments(base_url: str) -> None:
-    chunks = _stream(base_url, {"model": MODEL, "messages": ASK, "tools": [WEATHER], "temperature": 0})
+    chunks = _stream(
+        base_url, {"model": MODEL, "messages": ASK, "tools": [WEATHER], "temperature": 0}
+    )
     calls = _rebuild(chunks)
     assert [c["name"] for c in calls.values()] == ["get_weather"]
     assert "paris" in json.loads(calls[0]["arguments"])["city"].lower()
     fragments = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
     assert len(fragments) >= 3, "arguments arrive in pieces, not only when the call is complete"
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ] == ["tool_calls"]
 
 
 def test_tool_result_then_text_answer(base_url: str) -> None:
@@ -111,10 +117,22 @@ def test_tool_result_then_text_answer(base_url: str) -> None:
         *ASK,
         {"role": "assistant", "content": None, "tool_calls": msg["tool_calls"]},
         {"role": "tool", "tool_call_id": call["id"], "content": json.dumps(result)},
-        {"role": "user", "content": "Thanks. So, what is the weather in Paris? Answer in a sentence."},
+        {
+            "role": "user",
+            "content": "Thanks. So, what is the weather in Paris? Answer in a sentence.",
+        },
     ]
     body = ChatCompletion.model_validate(
-        _post(base_url, {"model": MODEL, "messages": history, "tools": [WEATHER], "temperature": 0, "max_tokens": 80})
+        _post(
+            base_url,
+            {
+                "model": MODEL,
+                "messages": history,
+                "tools": [WEATHER],
+                "temperature": 0,
+                "max_tokens": 80,
+            },
+        )
     )
     answer = body.choices[0].message
     assert body.choices[0].finish_reason == "stop"
@@ -124,7 +142,13 @@ def test_tool_result_then_text_answer(base_url: str) -> None:
 
 def test_tool_choice_required_named_and_none(base_url: str) -> None:
     chat = [{"role": "user", "content": "I am flying to Rome tomorrow."}]
-    base = {"model": MODEL, "messages": chat, "tools": [WEATHER], "temperature": 0, "max_tokens": 40}
+    base = {
+        "model": MODEL,
+        "messages": chat,
+        "tools": [WEATHER],
+        "temperature": 0,
+        "max_tokens": 40,
+    }
     forced = ChatCompletion.model_validate(_post(base_url, {**base, "tool_choice": "required"}))
     assert [c.function.name for c in forced.choices[0].message.tool_calls or []] == ["get_weather"]  # type: ignore[union-attr]
     assert forced.choices[0].finish_reason == "tool_calls"
