@@ -275,8 +275,9 @@ def _serve(pc: PrefixCache[Any], model: Model, prompt: Sequence[int]) -> tuple[i
     return lease.reused, logits
 
 
-def test_prefix_cache_restores_latent_state(tiny: TinyModels) -> None:
-    model = _model(tiny["deepseek_v3"][1])
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
+def test_prefix_cache_restores_latent_state(name: str, tiny: TinyModels) -> None:
+    model = _model(tiny[name][1])
     rng = np.random.default_rng(5)
     shared = [int(t) for t in rng.integers(0, VOCAB, 24)]
     first = shared + [int(t) for t in rng.integers(0, VOCAB, 10)]

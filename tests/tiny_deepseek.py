@@ -1,4 +1,5 @@
-"""Tiny random transformers DeepSeek-V3 models (the oracle for runtime/models/deepseek_v3.py).
+"""Tiny random transformers DeepSeek-V3 and -V2 models (the oracles for
+runtime/models/deepseek_v3.py and deepseek_v2.py).
 
 Import only after ``pytest.importorskip("torch")`` and ``("transformers")``: this module
 imports both at the top.
@@ -64,10 +65,20 @@ _YARN = {
     "mscale_all_dim": 0.8,
 }
 
+# DeepSeek-V2's own YaRN, scaled down: mscale == mscale_all_dim (the rotation keeps its
+# magnitude, the softmax scale still grows)
+V2_YARN = {**_YARN, "mscale": 0.707, "mscale_all_dim": 0.707}
+
 
 def _deepseek(**extra: Any) -> Any:
     config = copy.deepcopy({**_BASE, **extra})  # transformers may rewrite nested dicts
     return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**config))
+
+
+def _deepseek_v2(**extra: Any) -> Any:
+    """A V2 on V3's tiny shape: softmax routing, V2's YaRN unless `extra` says otherwise."""
+    config = copy.deepcopy({**_BASE, "rope_parameters": dict(V2_YARN), **extra})
+    return transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**config))
 
 
 def _old_rope_keys(config: dict[str, Any]) -> dict[str, Any]:
@@ -104,6 +115,26 @@ VARIANTS: Mapping[str, Variant] = {
     "deepseek_v3_old_rope_keys": (lambda: _deepseek(rope_parameters=dict(_YARN)), _old_rope_keys),
 }
 
+# V2: DeepSeek-V2's shape (query LoRA, group-limited routing, scaled weights, YaRN) with
+# its config.json's key spellings; V2-Lite's (queries projected directly, greedy
+# routing, biases, two shared experts, MoE from layer 0, plain rope), norm_topk_prob on
+V2_VARIANTS: Mapping[str, Variant] = {
+    "deepseek_v2": (
+        lambda: _deepseek_v2(
+            topk_method="group_limited_greedy",
+            num_experts_per_tok=3,  # more than the groups kept, as V2's 6 of 3 groups
+            scoring_func="softmax",
+            norm_topk_prob=False,
+            routed_scaling_factor=4.0,
+        ),
+        _old_rope_keys,
+    ),
+    "deepseek_v2_lite": (
+        lambda: _deepseek_v2(**{**DEEPSEEK_PLAIN, "norm_topk_prob": True}, topk_method="greedy"),
+        None,
+    ),
+}
+
 
 def add_mtp_layer(directory: Path, num_layers: int = LAYERS) -> list[str]:
     """Append a multi-token-prediction layer (index `num_layers`) to a saved checkpoint,
@@ -126,8 +157,10 @@ def add_mtp_layer(directory: Path, num_layers: int = LAYERS) -> list[str]:
 
 
 def make_tiny(name: str, directory: Path, seed: int = 0) -> Any:
-    """Build the `name` variant, save it into `directory`; return the torch model (eval)."""
-    return save_tiny(VARIANTS[name], directory, seed, partial(randomize, bias_scale=0.05))
+    """Build the `name` variant (V3's or V2's), save it into `directory`; return the torch
+    model (eval)."""
+    variant = VARIANTS[name] if name in VARIANTS else V2_VARIANTS[name]
+    return save_tiny(variant, directory, seed, partial(randomize, bias_scale=0.05))
 
 
 def torch_state(model: Any) -> dict[str, mx.array]:

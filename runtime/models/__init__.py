@@ -26,6 +26,7 @@ _ARCHITECTURES: Mapping[str, str] = MappingProxyType(
         "qwen3_5_moe": "qwen3_5",
         "qwen3_5_moe_text": "qwen3_5",
         "deepseek_v3": "deepseek_v3",
+        "deepseek_v2": "deepseek_v2",
     }
 )
 # model_type -> module, for configs with a vision_config (the text model plus its vision

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import mlx.core as mx
 
@@ -54,7 +54,7 @@ class ModelArgs:
     moe_layer_freq: int = 1
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> ModelArgs:
+    def from_config(cls, config: Mapping[str, Any]) -> Self:
         d = cls(mla=MLAConfig.from_config(config))
         # transformers 5 may write num_local_experts (its attribute map); null: dense
         keys = [k for k in ("n_routed_experts", "num_local_experts") if k in config]

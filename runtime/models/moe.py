@@ -8,10 +8,15 @@ top-k experts' matrices, with no Python loop over experts.
 Routers are plain functions from router logits to (weights, expert ids):
 
 - `softmax_topk`: softmax over all experts, top k, optional renormalisation
-  (qwen2_moe / qwen3_moe / qwen3_next / qwen3_5 `norm_topk_prob`).
+  (qwen2_moe / qwen3_moe / qwen3_next / qwen3_5 `norm_topk_prob`); optionally
+  group-limited and scaled (deepseek_v2).
 - `grouped_sigmoid_topk`: sigmoid scores, `e_score_correction_bias` for the choice only,
   group-limited top k (`n_group`, `topk_group`), renormalisation and
   `routed_scaling_factor` (glm4_moe, deepseek_v3).
+
+Group-limited choice (`limit_groups`) scores a group by the sum of its two best experts
+(GROUP_TOP2: DeepSeek-V3, GLM, and llama.cpp for every architecture) or by its best one
+(GROUP_MAX: DeepSeek-V2's ``group_limited_greedy``).
 
 `SparseMoE` puts a router, the experts and an optional shared expert together;
 `stack_experts` turns HF checkpoint layouts into the stacked one (for `sanitize`).
@@ -39,22 +44,60 @@ SORT_THRESHOLD = 64
 
 SOFTMAX = "softmax"
 SIGMOID = "sigmoid"
+GROUP_TOP2 = "top2"
+GROUP_MAX = "max"
 
 
 # -- routers ------------------------------------------------------------------------------
 
 
-def softmax_topk(logits: mx.array, top_k: int, *, normalize: bool) -> tuple[mx.array, mx.array]:
+def limit_groups(
+    choice: mx.array, n_group: int, topk_group: int, group_score: str = GROUP_TOP2
+) -> mx.array:
+    """(..., E) choice scores with the experts outside the `topk_group` best of `n_group`
+    equal groups set to -inf (unchanged when every group stays eligible)."""
+    if n_group <= 1 or topk_group >= n_group:
+        return choice
+    num_experts = choice.shape[-1]
+    grouped = choice.reshape(*choice.shape[:-1], n_group, num_experts // n_group)
+    if group_score == GROUP_MAX:
+        group_scores = grouped.max(axis=-1)
+    else:
+        group_scores = mx.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)
+    # the (n_group - topk_group) weakest groups drop out
+    dropped = mx.argpartition(group_scores, kth=n_group - topk_group - 1, axis=-1)
+    dropped = dropped[..., : n_group - topk_group]
+    keep = mx.ones(group_scores.shape, dtype=mx.bool_)
+    keep = mx.put_along_axis(keep, dropped, mx.array(False), axis=-1)
+    grouped = mx.where(mx.expand_dims(keep, -1), grouped, mx.array(-mx.inf, mx.float32))
+    return grouped.reshape(choice.shape)
+
+
+def softmax_topk(
+    logits: mx.array,
+    top_k: int,
+    *,
+    normalize: bool,
+    n_group: int = 1,
+    topk_group: int = 1,
+    group_score: str = GROUP_TOP2,
+    scaling: float = 1.0,
+) -> tuple[mx.array, mx.array]:
     """Softmax router: (..., E) logits -> (..., k) float32 weights and uint32 expert ids.
 
     Weights are the softmax probabilities of the k chosen experts over all E, divided by
-    their sum when `normalize` (qwen's ``norm_topk_prob``). The k ids come unordered.
+    their sum when `normalize` (qwen's ``norm_topk_prob``), then multiplied by `scaling`.
+    With `n_group` > 1 only the experts of the `topk_group` best groups (`limit_groups`)
+    can be chosen. The k ids come unordered.
     """
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
-    indices = mx.argpartition(-probs, kth=top_k - 1, axis=-1)[..., :top_k]
+    choice = limit_groups(probs, n_group, topk_group, group_score)
+    indices = mx.argpartition(-choice, kth=top_k - 1, axis=-1)[..., :top_k]
     weights = mx.take_along_axis(probs, indices, axis=-1)
     if normalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
+    if scaling != 1.0:
+        weights = weights * scaling
     return weights, indices.astype(mx.uint32)
 
 
@@ -65,6 +108,7 @@ def grouped_sigmoid_topk(
     correction_bias: mx.array | None = None,
     n_group: int = 1,
     topk_group: int = 1,
+    group_score: str = GROUP_TOP2,
     normalize: bool = True,
     scaling: float = 1.0,
 ) -> tuple[mx.array, mx.array]:
@@ -81,18 +125,7 @@ def grouped_sigmoid_topk(
     """
     scores = mx.sigmoid(logits.astype(mx.float32))
     choice = scores if correction_bias is None else scores + correction_bias.astype(mx.float32)
-    if n_group > 1 and topk_group < n_group:
-        num_experts = choice.shape[-1]
-        grouped = choice.reshape(*choice.shape[:-1], n_group, num_experts // n_group)
-        best_two = mx.sort(grouped, axis=-1)[..., -2:]
-        group_scores = best_two.sum(axis=-1)
-        # the (n_group - topk_group) weakest groups drop out
-        dropped = mx.argpartition(group_scores, kth=n_group - topk_group - 1, axis=-1)
-        dropped = dropped[..., : n_group - topk_group]
-        keep = mx.ones(group_scores.shape, dtype=mx.bool_)
-        keep = mx.put_along_axis(keep, dropped, mx.array(False), axis=-1)
-        grouped = mx.where(mx.expand_dims(keep, -1), grouped, mx.array(-mx.inf, mx.float32))
-        choice = grouped.reshape(*choice.shape[:-1], num_experts)
+    choice = limit_groups(choice, n_group, topk_group, group_score)
     indices = mx.argpartition(-choice, kth=top_k - 1, axis=-1)[..., :top_k]
     weights = mx.take_along_axis(scores, indices, axis=-1)
     if normalize:
@@ -105,7 +138,7 @@ def grouped_sigmoid_topk(
 @dataclass(frozen=True)
 class Routing:
     """A router's configuration: `scoring` is SOFTMAX (`softmax_topk`) or SIGMOID
-    (`grouped_sigmoid_topk`; the group and scaling fields apply to it only)."""
+    (`grouped_sigmoid_topk`); `group_score` is GROUP_TOP2 or GROUP_MAX (`limit_groups`)."""
 
     top_k: int
     scoring: str = SOFTMAX
@@ -113,10 +146,13 @@ class Routing:
     n_group: int = 1
     topk_group: int = 1
     scaling: float = 1.0
+    group_score: str = GROUP_TOP2
 
     def __post_init__(self) -> None:
         if self.scoring not in (SOFTMAX, SIGMOID):
             raise ValueError(f"unknown router scoring {self.scoring!r}")
+        if self.group_score not in (GROUP_TOP2, GROUP_MAX):
+            raise ValueError(f"unknown group score {self.group_score!r}")
 
 
 class SigmoidGate(Module):
@@ -239,8 +275,9 @@ class SparseMoE(Module):
 
     ``gate``: a bias-free Linear (softmax routing) or a `SigmoidGate` (sigmoid routing);
     ``switch_mlp``: the `SwitchGLU` experts. `shared_hidden` adds an always-on gated MLP:
-    ``shared_experts`` added as is (glm4_moe, deepseek_v3), or with `gated_shared`
-    ``shared_expert`` scaled by sigmoid(``shared_expert_gate``(x)) (qwen3_next, qwen3_5).
+    ``shared_experts`` added as is (glm4_moe, deepseek_v3, deepseek_v2), or with
+    `gated_shared` ``shared_expert`` scaled by sigmoid(``shared_expert_gate``(x))
+    (qwen3_next, qwen3_5).
     """
 
     def __init__(
@@ -282,10 +319,19 @@ class SparseMoE(Module):
                 correction_bias=self.gate.e_score_correction_bias,
                 n_group=r.n_group,
                 topk_group=r.topk_group,
+                group_score=r.group_score,
                 normalize=r.normalize,
                 scaling=r.scaling,
             )
-        return softmax_topk(logits, r.top_k, normalize=r.normalize)
+        return softmax_topk(
+            logits,
+            r.top_k,
+            normalize=r.normalize,
+            n_group=r.n_group,
+            topk_group=r.topk_group,
+            group_score=r.group_score,
+            scaling=r.scaling,
+        )
 
     def __call__(self, x: mx.array) -> mx.array:
         weights, indices = self.route(x)
@@ -349,6 +395,8 @@ def stack_experts(weights: Mapping[str, mx.array], num_experts: int) -> dict[str
 
 
 __all__ = [
+    "GROUP_MAX",
+    "GROUP_TOP2",
     "SIGMOID",
     "SOFTMAX",
     "SORT_THRESHOLD",
@@ -359,6 +407,7 @@ __all__ = [
     "SwitchGLU",
     "SwitchLinear",
     "grouped_sigmoid_topk",
+    "limit_groups",
     "softmax_topk",
     "stack_experts",
 ]
