@@ -4,8 +4,9 @@ Two vocabulary kinds matter (``tokenizer.ggml.model``):
 
 - ``gpt2``: byte-level BPE. Tokens are already spelled in the GPT-2 byte alphabet and
   the merges are given; what the file does not say is how text is split before BPE, so
-  the split regex is chosen by ``tokenizer.ggml.pre`` (llama.cpp's names) and mirrors the
-  original ``tokenizer.json`` of that family (Qwen2 also normalizes to NFC there).
+  the split is chosen by ``tokenizer.ggml.pre`` (llama.cpp's names) and mirrors the
+  original ``tokenizer.json`` of that family: one or several regex splits, maybe a
+  one-digit-per-piece split, then the byte alphabet (Qwen2 also normalizes to NFC).
 - ``llama``: SentencePiece BPE (Llama 2, Mistral, Gemma). The file has tokens and
   scores but no merges; SentencePiece merges the adjacent pair whose joined piece ranks
   best, so merges are derived as "every split of a piece into two pieces", ranked by the
@@ -51,19 +52,79 @@ _GPT4O_SPLIT = (
 )
 
 
+def _char_class(spec: str) -> str:
+    """A regex character-class body from hex code points and ranges ("0041-005A 00B5").
+
+    Written as code points because several of these characters have look-alikes that
+    editors and NFC normalization swap in (U+212A KELVIN SIGN becomes "K", turning
+    "K-ℭ" into a range over most of the BMP)."""
+    out = []
+    for item in spec.split():
+        low, _, high = item.partition("-")
+        out.append(chr(int(low, 16)) + (f"-{chr(int(high, 16))}" if high else ""))
+    return "".join(out)
+
+
+# DeepSeek LLM / V2: the cased letters (Lu, Ll, Lt) as their tokenizer.json lists them.
+_DEEPSEEK_LETTERS = _char_class(
+    "0041-005A 0061-007A 00B5 00C0-00D6 00D8-00F6 00F8-01BA 01BC-01BF 01C4-0293 0295-02AF "
+    "0370-0373 0376 0377 037B-037D 037F 0386 0388-038A 038C 038E-03A1 03A3-03F5 03F7-0481 "
+    "048A-052F 0531-0556 10A0-10C5 13A0-13F5 13F8-13FD 1C90-1CBA 1CBD-1CBF 1D00-1D2B "
+    "1D6B-1D77 1D79-1D9A 1E00-1F15 1F18-1F1D 1F20-1F45 1F48-1F4D 1F50-1F57 1F59 1F5B 1F5D "
+    "1F5F-1F7D 1F80-1FB4 1FB6-1FBC 1FBE 1FC2-1FC4 1FC6-1FCC 1FD0-1FD3 1FD6-1FDB 1FE0-1FEC "
+    "1FF2-1FF4 1FF6-1FFC 2102 2107 210A-2113 2115 2119-211D 2124 2126 2128 212A-212D "
+    "212F-2134 2139 213C-213F 2145-2149 214E 2183 2184 2C00-2C7B 2C7E-2CE4 2CEB-2CEE 2CF2 "
+    "2CF3 A640-A66D A680-A69B A722-A76F A771-A787 A78B-A78E AB70-ABBF FB00-FB06 FB13-FB17 "
+    "FF21-FF3A FF41-FF5A 10400-1044F 104B0-104D3 104D8-104FB 10C80-10CB2 10CC0-10CF2 "
+    "118A0-118DF 1E900-1E943"
+)
+# ASCII and full-width punctuation, curly quotes, ideographic space and full stop.
+_DEEPSEEK_PUNCT = _char_class("0021-002F 003A-007E FF01-FF0F FF1A-FF5E 2018-201F 3000-3002")
+# CJK ideographs, everything from U+0800 up to them, and Hangul syllables.
+_DEEPSEEK_CJK = _char_class("4E00-9FA5 0800-4E00 AC00-D7FF")
+# DeepSeek-V3: CJK ideographs, Hiragana, Katakana.
+_DEEPSEEK_V3_CJK = _char_class("4E00-9FA5 3040-309F 30A0-30FF")
+_DEEPSEEK_V3_SPLIT = (
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
 @dataclass(frozen=True)
 class _PreTokenizer:
-    split: str | None = None  # None: GPT-2's own regex (ByteLevel use_regex=True)
+    """How one family splits text before BPE, in this order: each regex of ``splits``
+    isolates its matches in every piece so far; then, with ``individual_digits``, every
+    digit becomes its own piece; then the byte alphabet (with GPT-2's own regex when
+    ``splits`` is empty)."""
+
+    splits: tuple[str, ...] = ()
     individual_digits: bool = False
     nfc: bool = False
     ignore_merges: bool = False  # whole pre-token in vocab wins (tiktoken-style vocabularies)
 
 
-_QWEN2 = _PreTokenizer(split=_QWEN2_SPLIT, nfc=True)
-_LLAMA3 = _PreTokenizer(split=_LLAMA3_SPLIT, ignore_merges=True)
-_GPT4O = _PreTokenizer(split=_GPT4O_SPLIT)
+_QWEN2 = _PreTokenizer(splits=(_QWEN2_SPLIT,), nfc=True)
+_LLAMA3 = _PreTokenizer(splits=(_LLAMA3_SPLIT,), ignore_merges=True)
+_GPT4O = _PreTokenizer(splits=(_GPT4O_SPLIT,))
 _STARCODER = _PreTokenizer(individual_digits=True)
 _GPT2 = _PreTokenizer()
+_DEEPSEEK_LLM = _PreTokenizer(
+    splits=(
+        r"[\r\n]",
+        rf"\s?[{_DEEPSEEK_LETTERS}]+",
+        rf"\s?[{_DEEPSEEK_PUNCT}]+",
+        r"\s+$",
+        f"[{_DEEPSEEK_CJK}]+",
+    ),
+    individual_digits=True,
+)
+_DEEPSEEK_CODER = _PreTokenizer(
+    splits=(r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", f"[{_DEEPSEEK_CJK}]+"),
+    individual_digits=True,
+)
+_DEEPSEEK_V3 = _PreTokenizer(splits=(r"\p{N}{1,3}", f"[{_DEEPSEEK_V3_CJK}]+", _DEEPSEEK_V3_SPLIT))
+# GLM-4's tokenizer is tiktoken with cl100k's pattern: Llama 3's split, whole pieces first.
+_GLM4 = _LLAMA3
 
 # tokenizer.ggml.pre -> how that family splits text
 _PRE_TOKENIZERS: Mapping[str, _PreTokenizer] = {
@@ -77,6 +138,12 @@ _PRE_TOKENIZERS: Mapping[str, _PreTokenizer] = {
     "dbrx": _LLAMA3,
     "gpt-4o": _GPT4O,
     "llama4": _GPT4O,
+    # DeepSeek LLM and V2 / V2.5 (one 100k vocabulary), DeepSeek Coder, DeepSeek V3 / R1.
+    "deepseek-llm": _DEEPSEEK_LLM,
+    "deepseek-coder": _DEEPSEEK_CODER,
+    "deepseek-v3": _DEEPSEEK_V3,
+    "glm4": _GLM4,
+    "chatglm-bpe": _GLM4,
     # StarCoder-derived vocabularies (SmolLM, StarCoder, Refact) split every digit.
     "smollm": _STARCODER,
     "starcoder": _STARCODER,
@@ -136,6 +203,21 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
+def _pre_tokenizer(pre: _PreTokenizer) -> pre_tokenizers.PreTokenizer:
+    steps: list[pre_tokenizers.PreTokenizer] = [
+        pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False)
+        for split in pre.splits
+    ]
+    if pre.individual_digits:
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
+    steps.append(
+        pre_tokenizers.ByteLevel(
+            add_prefix_space=False, trim_offsets=False, use_regex=not pre.splits
+        )
+    )
+    return steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+
+
 def _byte_level(meta: Mapping[str, Any], tokens: list[str], types: np.ndarray) -> HFTokenizer:
     alphabet = _byte_alphabet()
     letters = set(alphabet.values())
@@ -161,17 +243,7 @@ def _byte_level(meta: Mapping[str, Any], tokens: list[str], types: np.ndarray) -
     tok = HFTokenizer(model)
     if pre.nfc:
         tok.normalizer = normalizers.NFC()
-    steps: list[pre_tokenizers.PreTokenizer] = []
-    if pre.individual_digits:
-        steps.append(pre_tokenizers.Digits(individual_digits=True))
-    if pre.split is not None:
-        steps.append(pre_tokenizers.Split(Regex(pre.split), behavior="isolated", invert=False))
-    steps.append(
-        pre_tokenizers.ByteLevel(
-            add_prefix_space=False, trim_offsets=False, use_regex=pre.split is None
-        )
-    )
-    tok.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+    tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
     return tok
 
