@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from runtime.gguf import GGUFFile, TensorInfo
-from runtime.gguf_moe_names import FLOAT32_SUFFIX
+from runtime.gguf_moe_names import FLOAT32_SUFFIX, GATE_UP, GATE_UP_PARTS
 from runtime.gguf_quants import (
     GROUP,
     Affine,
@@ -87,9 +87,39 @@ def decode_tensor(
     return Decoded(name, values=float_tensor(gf, info, tf))
 
 
+def split_gate_up(item: Decoded) -> list[Decoded]:
+    """Fused experts (``ffn_gate_up_exps``, (experts, 2 * width, embedding)) as the gate
+    (first rows of each expert) and up stacks; anything else as it is. GGML blocks run
+    along the embedding axis, so a quantized tensor splits between rows exactly, its
+    affine form (or values to re-quantize) included."""
+    if not item.name.endswith(GATE_UP):
+        return [item]
+    stem = item.name.removesuffix(GATE_UP)
+    names = [stem + part for part in GATE_UP_PARTS]
+    if item.affine is not None:
+        a = item.affine
+        weights, scales, biases = (np.split(x, 2, axis=1) for x in (a.weight, a.scales, a.biases))
+        return [
+            Decoded(name, affine=Affine(weights[i], scales[i], biases[i], a.bits, a.group_size))
+            for i, name in enumerate(names)
+        ]
+    assert item.values is not None
+    values = np.split(item.values, 2, axis=1)
+    return [
+        Decoded(name, values=v, requantize_bits=item.requantize_bits)
+        for name, v in zip(names, values, strict=True)
+    ]
+
+
 def store(out: ConvertedWeights, item: Decoded, dtype: mx.Dtype) -> None:
     """Add ``item`` to ``out`` as MLX arrays (on the caller's thread): floats in
-    ``dtype``, quantized weights as a triplet with their bits and group size."""
+    ``dtype``, quantized weights as a triplet with their bits and group size; fused
+    experts as their two halves."""
+    for part in split_gate_up(item):
+        _store(out, part, dtype)
+
+
+def _store(out: ConvertedWeights, item: Decoded, dtype: mx.Dtype) -> None:
     module = item.name[: -len(".weight")]
     if item.affine is not None:
         a = item.affine

@@ -1,5 +1,7 @@
 """HF config fields of the mixture-of-experts architectures llama.cpp defines: ``qwen3moe``,
-``glm4moe`` and ``deepseek2``, served by runtime/models' qwen3_moe, glm4_moe, deepseek_v3.
+``glm4moe`` and ``deepseek2``, served by runtime/models' qwen3_moe, glm4_moe, and
+deepseek_v3 (sigmoid gating, DeepSeek-V3's files) or deepseek_v2 (softmax gating: V2,
+V2-Lite, V2.5, Coder-V2).
 
 llama.cpp's ``{arch}.*`` keys (gguf.constants.Keys) and the HF fields they become:
 
@@ -13,6 +15,7 @@ expert_weights_scale                   routed_scaling_factor
 expert_weights_norm                    norm_topk_prob
 expert_group_count / _used_count       n_group / topk_group
 expert_gating_func (1 softmax, 2 sig)  checked: each of our models has one router
+                                       (deepseek2: picks deepseek_v2 or deepseek_v3)
 nextn_predict_layers                   num_nextn_predict_layers (blocks after the
                                        decoder, counted in block_count; dropped)
 rope.dimension_count                   partial_rotary_factor (glm) / qk_rope_head_dim
@@ -41,17 +44,24 @@ _GATING_NAMES = {SOFTMAX: "softmax", SIGMOID: "sigmoid"}
 _DEEPSEEK_LOG_MUL = 0.1
 
 
-def _check_gating(gf: GGUFFile, expected: int, default: int) -> None:
-    """Our model for this architecture scores experts one way; the file must agree."""
+def _gating(gf: GGUFFile, supported: Sequence[int], default: int) -> int:
+    """The file's expert scoring; one our model for this architecture can reproduce."""
     given = arch_int(gf, "expert_gating_func")
     value = default if given is None else given
-    if value != expected:
+    if value not in supported:
         name = _GATING_NAMES.get(value, str(value))
         absent = " (llama.cpp's default when the key is absent)" if given is None else ""
+        wanted = " or ".join(_GATING_NAMES[s] for s in supported)
         raise ValueError(
             f"{gf.path}: {gf.architecture}.expert_gating_func is {name}{absent}; only "
-            f"{_GATING_NAMES[expected]} routing is supported for {gf.architecture}"
+            f"{wanted} routing is supported for {gf.architecture}"
         )
+    return value
+
+
+def _check_gating(gf: GGUFFile, expected: int, default: int) -> None:
+    """Our model for this architecture scores experts one way; the file must agree."""
+    _gating(gf, (expected,), default)
 
 
 def _check_blocks(gf: GGUFFile, sparse: Sequence[bool]) -> None:
@@ -174,9 +184,34 @@ def _deepseek2_rope(gf: GGUFFile, config: dict[str, Any]) -> None:
         scaling["mscale"] = scaling["mscale_all_dim"] = log_mul / _DEEPSEEK_LOG_MUL
 
 
+def _deepseek2_router(gf: GGUFFile, config: dict[str, Any], lead: int, layers: int) -> None:
+    """llama.cpp's one deepseek2 router, whatever the gating: with groups in the file, a
+    group scores its two best experts' sum; weights renormalised when
+    expert_weights_norm, then scaled. Sigmoid files (DeepSeek-V3's) are deepseek_v3;
+    softmax ones (V2's; files from before the key have none, which llama.cpp reads as
+    softmax) are deepseek_v2 under topk_method "noaux_tc", its name for these rules
+    (transformers' V2 scores a group by its best expert and ignores the norm flag)."""
+    gating = _gating(gf, (SOFTMAX, SIGMOID), default=SOFTMAX)
+    scale = arch_float(gf, "expert_weights_scale") or 1.0  # absent or 0: llama.cpp's 1
+    config.update(
+        routed_scaling_factor=scale,
+        norm_topk_prob=arch_bool(gf, "expert_weights_norm", False),
+        **_groups(gf),
+        scoring_func=_GATING_NAMES[gating],
+        topk_method="noaux_tc",
+    )
+    if gating == SIGMOID:
+        return
+    biased = [i for i in range(lead, layers) if f"blk.{i}.exp_probs_b.bias" in gf.tensors]
+    if biased:
+        raise ValueError(
+            f"{gf.path}: blk.{biased[0]}.exp_probs_b.bias: a score-correction bias on "
+            "softmax routing is not supported for deepseek2"
+        )
+    config.update(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"])
+
+
 def deepseek2(gf: GGUFFile, config: dict[str, Any]) -> None:
-    # absent gating means softmax in llama.cpp (DeepSeek-V2 files predate the key)
-    _check_gating(gf, SIGMOID, default=SOFTMAX)
     heads = int(config["num_attention_heads"])
     rotary = require_int(gf, "rope.dimension_count")
     qk_head, v_head = _mla_head_dims(gf)
@@ -199,13 +234,8 @@ def deepseek2(gf: GGUFFile, config: dict[str, Any]) -> None:
         n_shared_experts=require_int(gf, "expert_shared_count"),
         first_k_dense_replace=lead,
         moe_layer_freq=1,
-        # absent: llama.cpp neither scales nor renormalises the routed weights
-        routed_scaling_factor=arch_float(gf, "expert_weights_scale", 1.0),
-        norm_topk_prob=arch_bool(gf, "expert_weights_norm", False),
-        **_groups(gf),
-        scoring_func="sigmoid",
-        topk_method="noaux_tc",
     )
+    _deepseek2_router(gf, config, lead, layers)
     _deepseek2_rope(gf, config)
     _dense_width(gf, config, min(lead, layers))
     _check_blocks(gf, [i >= lead for i in range(layers)])

@@ -29,7 +29,13 @@ import numpy as np
 
 from runtime.gguf import GGUFFile, TensorInfo
 from runtime.gguf_decode import ConvertedWeights, Decoded, Transform, decode_tensor, store
-from runtime.gguf_moe_names import MOE_BLOCK_NAMES, MOE_FULL_NAMES, STRICT_ARCHS, redundant
+from runtime.gguf_moe_names import (
+    MOE_BLOCK_NAMES,
+    MOE_FULL_NAMES,
+    STRICT_ARCHS,
+    check_gate_up,
+    redundant,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +121,7 @@ def _jobs(gf: GGUFFile, num_layers: int, skipped: list[str]) -> list[tuple[Tenso
     """(tensor, HF name) of every tensor the model reads; the rest go to ``skipped``
     (blocks past the decoder silently; others with a warning, or for the strict
     architectures an error)."""
+    check_gate_up({info.name: info.shape for info in gf.tensors.values()})
     jobs: list[tuple[TensorInfo, str]] = []
     unnamed: list[str] = []
     past = 0

@@ -8,6 +8,9 @@ Sources:
 2. An MLX-quantized folder: the same, with config "quantization" (group_size, bits, mode,
    per-module overrides) and weight/scales/biases triplets.
 3. A GGUF file of any quant type (config, tokenizer and template from its metadata).
+4. An FP8 folder (config quantization_config quant_method "fp8", DeepSeek-V3's block
+   scales): the fp8 weights decoded at load (runtime/fp8.py), and kept quantized as
+   MLX 8-bit affine weights.
 
 Precision policy: on the CPU everything becomes float32 (MLX's CPU backend has fast
 float32 matmuls only; bf16 and quantized matmuls are several times slower), so quantized
@@ -40,7 +43,7 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.quantized import quantize as quantize_modules
 
-from runtime import backend
+from runtime import backend, fp8
 from runtime.images import VisionSpec
 from runtime.models import build_model
 from runtime.models.base import LanguageModel
@@ -398,11 +401,16 @@ def _load_folder(
     folder: Path, dtype: str | None, keep_quantized: bool, shard: ShardHook | None = None
 ) -> LoadedModel:
     config = _read_config(folder)
-    weights = _read_weights(_safetensors_files(folder))
+    files = _safetensors_files(folder)
+    fp8_format = fp8.fp8_spec(config)  # refuses what it cannot load before reading
+    stored = fp8.stored_dtypes(files) if fp8_format is not None else {}
+    weights = _read_weights(files)
     quant = _quant_config(config)
     dtype_name, mx_dtype = resolve_dtype(
         dtype, _scales_dtype(weights) if quant is not None and keep_quantized else None
     )
+    if fp8_format is not None:
+        weights, quant = _decode_fp8(weights, stored, fp8_format, mx_dtype, keep_quantized)
     model = build_model(_without_vision(config, weights))
     quantized = False
     if quant is not None and not keep_quantized:
@@ -435,6 +443,22 @@ def _load_folder(
         generation_config=generation,
         vision=vision_spec(model, tokenizer.id_to_token, folder),
     )
+
+
+def _decode_fp8(
+    weights: dict[str, mx.array],
+    stored: Mapping[str, str],
+    spec: fp8.Fp8Spec,
+    dtype: mx.Dtype,
+    keep_quantized: bool,
+) -> tuple[dict[str, mx.array], dict[str, Any] | None]:
+    """An FP8 checkpoint's weights in ``dtype`` (runtime/fp8.py); kept quantized, its fp8
+    matrices as MLX 8-bit triplets with their quantization config (then loaded as an
+    MLX-quantized folder's). The 8-bit grid is fit to the exact float32 products."""
+    if not keep_quantized:
+        return fp8.dequantize(weights, stored, spec, dtype).weights, None
+    converted = fp8.requantize(fp8.dequantize(weights, stored, spec, mx.float32), dtype)
+    return converted.weights, converted.quantization
 
 
 def _read_generation_config(folder: Path) -> dict[str, Any]:

@@ -1,13 +1,15 @@
 """The tiny mixture-of-experts models the GGUF loader tests convert (one per shape of file
 llama.cpp writes for qwen3moe, glm4moe and deepseek2), saved as checkpoints, their weights
-optionally rounded through a GGUF quant type so that a quantized file holds them exactly.
+optionally rounded through a GGUF quant type so that a quantized file holds them exactly;
+`llama_cpp_routing`, transformers' DeepSeek-V2 routers as llama.cpp's graph computes them.
 
 Import only after ``pytest.importorskip("torch")`` and ``("transformers")``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -20,7 +22,7 @@ from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize as reference_dequantize
 from gguf.quants import quantize as reference_quantize
 
-from tests.tiny_deepseek import _YARN, DEEPSEEK_PLAIN, _deepseek, add_mtp_layer
+from tests.tiny_deepseek import _YARN, DEEPSEEK_PLAIN, _deepseek, _deepseek_v2, add_mtp_layer
 from tests.tiny_models import Variant, randomize, save_tiny
 from tests.tiny_moe import VARIANTS as MOE_VARIANTS
 from tests.tiny_moe import _glm4_moe, _qwen3_moe
@@ -44,6 +46,8 @@ class MoeCase:
     # deepseek2's kv_b_proj: "split" (llama.cpp's MLA layout, attn_k_b / attn_v_b),
     # "whole" (attn_kv_b, files before it) or "both" (files from the transition)
     kv_b: str = "split"
+    # routed experts' gate and up fused in one ffn_gate_up_exps (newer conversions)
+    gate_up: bool = False
 
 
 CASES: Mapping[str, MoeCase] = {
@@ -98,6 +102,37 @@ CASES: Mapping[str, MoeCase] = {
         (lambda: _deepseek(rope_parameters={"rope_type": "default", "rope_theta": 1e4}), None),
         kv_b="both",
     ),
+    # experts' gate and up fused (ffn_gate_up_exps), as newer llama.cpp conversions write;
+    # kv_b_proj both ways, so that a Q8_0 file holds all of it exactly (k_b's 16-wide
+    # rows are no whole Q8_0 block: the converter's F16 fallback would round them again)
+    "deepseek2_gate_up": MoeCase(
+        "deepseek2",
+        (lambda: _deepseek(rope_parameters={"rope_type": "default", "rope_theta": 1e4}), None),
+        kv_b="both",
+        gate_up=True,
+    ),
+    "glm4moe_gate_up": MoeCase("glm4moe", MOE_VARIANTS["glm4_moe"], gate_up=True),
+    # DeepSeek-V2 (softmax gating): query LoRA, YaRN, groups, renormalised and scaled
+    "deepseek2_v2": MoeCase(
+        "deepseek2",
+        (
+            lambda: _deepseek_v2(
+                topk_method="group_limited_greedy",
+                num_experts_per_tok=3,
+                scoring_func="softmax",
+                norm_topk_prob=True,
+                routed_scaling_factor=4.0,
+            ),
+            None,
+        ),
+    ),
+    # V2-Lite's shape in a file from before llama.cpp wrote the gating (absent: softmax)
+    # or its MLA layout: greedy, whole kv_b_proj, plain rope, biases
+    "deepseek2_v2_lite_old": MoeCase(
+        "deepseek2",
+        (lambda: _deepseek_v2(**DEEPSEEK_PLAIN, topk_method="greedy"), None),
+        kv_b="whole",
+    ),
 }
 
 
@@ -137,3 +172,38 @@ def quantize(values: np.ndarray, quant: QT) -> tuple[np.ndarray, QT]:
         return reference_quantize(np.ascontiguousarray(values, dtype=np.float32), quant), quant
     except QuantError:
         return reference_quantize(np.ascontiguousarray(values, dtype=np.float32), QT.F16), QT.F16
+
+
+@contextmanager
+def llama_cpp_routing(model: Any) -> Iterator[None]:
+    """Within, `model`'s DeepSeek-V2 routers (if any) compute what llama.cpp's deepseek2
+    graph does for a softmax file: a group scores the sum of its two best probabilities
+    (V2's own code: its best one), and the chosen weights are renormalised when
+    norm_topk_prob (which V2's code ignores), then scaled."""
+    routers = [m for m in model.modules() if type(m).__name__ == "DeepseekV2TopkRouter"]
+    for router in routers:
+        router.forward = partial(_llama_cpp_route, router, model.config)
+    try:
+        yield
+    finally:
+        for router in routers:
+            del router.forward
+
+
+def _llama_cpp_route(router: Any, cfg: Any, hidden: torch.Tensor) -> Any:
+    x = hidden.reshape(-1, router.hidden_dim).float()
+    logits = torch.nn.functional.linear(x, router.weight.float())
+    probs = logits.softmax(dim=-1)
+    choice = probs
+    groups = cfg.n_group or 1
+    if groups > 1:
+        grouped = probs.view(x.shape[0], groups, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        kept = group_scores.topk(cfg.topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(probs)
+    indices = choice.topk(router.top_k, dim=-1).indices
+    weights = probs.gather(-1, indices)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return logits, weights * cfg.routed_scaling_factor, indices

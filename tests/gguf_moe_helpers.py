@@ -2,8 +2,8 @@
 llama.cpp's convert_hf_to_gguf.py does it (Qwen3MoeModel, Glm4MoeModel, DeepseekV2Model),
 as an oracle independent of our own name mapping: hyperparameters through gguf-py's
 GGUFWriter methods, tensor names from gguf-py's TensorNameMap, routed experts stacked per
-layer, deepseek's kv_b_proj split into k_b / v_b, its multi-token-prediction layers
-skipped.
+layer (or gate and up fused in one ``ffn_gate_up_exps``), deepseek's kv_b_proj split
+into k_b / v_b, its multi-token-prediction layers skipped.
 
 Import only after ``pytest.importorskip("torch")`` and ``("transformers")``.
 """
@@ -18,14 +18,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFWriter, get_tensor_name_map
-from gguf.constants import MODEL_ARCH_NAMES, ExpertGatingFuncType, RopeScalingType
+from gguf import GGUFWriter, TensorNameMap, get_tensor_name_map
+from gguf.constants import (
+    MODEL_ARCH_NAMES,
+    MODEL_TENSOR,
+    TENSOR_NAMES,
+    ExpertGatingFuncType,
+    RopeScalingType,
+)
 from gguf.constants import GGMLQuantizationType as QT
 from safetensors.numpy import load_file
 
 from tests.gguf_helpers import tokenizer_metadata
 from tests.gguf_moe_cases import MoeCase, quantize
 
+_GATING = {"sigmoid": ExpertGatingFuncType.SIGMOID, "softmax": ExpertGatingFuncType.SOFTMAX}
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -57,10 +64,29 @@ def llama_cpp_tensors(case: MoeCase, directory: Path, cfg: Any) -> list[tuple[st
             out.append((name, data))
     for bid, parts in sorted(experts.items()):
         count = len(parts) // 3
-        for proj in ("down_proj", "gate_proj", "up_proj"):
-            stacked = np.stack([parts[(proj, x)] for x in range(count)])
+        stacks = {
+            proj: np.stack([parts[(proj, x)] for x in range(count)])
+            for proj in ("down_proj", "gate_proj", "up_proj")
+        }
+        if case.gate_up:  # llama.cpp's fused layout: each expert's gate rows, then up's
+            fused = np.concatenate([stacks.pop("gate_proj"), stacks.pop("up_proj")], axis=1)
+            out.append((f"model.layers.{bid}.mlp.experts.gate_up_proj", fused))
+        for proj, stacked in stacks.items():
             out.append((f"model.layers.{bid}.mlp.experts.{proj}.weight", stacked))
     return out
+
+
+def _gguf_name(name_map: TensorNameMap, hf: str) -> str:
+    """gguf-py's name for `hf`; its map lists the fused experts only for some
+    architectures, llama.cpp's loader takes them for these too (create_tensor_gate_up_exps)."""
+    gguf_name = name_map.get_name(hf, try_suffixes=(".weight", ".bias"))
+    fused = re.match(r"^model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$", hf)
+    if gguf_name is None and fused is not None:
+        stem = TENSOR_NAMES[MODEL_TENSOR.FFN_GATE_UP_EXP].format(bid=int(fused[1]))
+        return f"{stem}.weight"
+    if gguf_name is None:
+        raise AssertionError(f"gguf-py has no name for {hf}")
+    return gguf_name
 
 
 def _split_kv_b(name: str, data: np.ndarray, cfg: Any) -> list[tuple[str, np.ndarray]]:
@@ -130,10 +156,15 @@ def _glm4moe_meta(w: GGUFWriter, cfg: Any, nextn: int) -> None:
 def _deepseek2_meta(w: GGUFWriter, cfg: Any, mla: bool) -> None:
     # MLA files describe the attention as MQA over the latent (one kv head)
     _common(w, cfg, cfg.num_hidden_layers, 1 if mla else cfg.num_attention_heads)
-    w.add_expert_group_count(cfg.n_group)
-    w.add_expert_group_used_count(cfg.topk_group)
-    # DeepSeek's config.json says scoring_func "sigmoid"
-    w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    if cfg.n_group is not None:
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    # TextModel writes the gating a config's scoring_func names (DeepSeek-V3's says
+    # "sigmoid"); a V2 config without one gives a file without it, as 2024's converter did
+    v3 = cfg.model_type == "deepseek_v3"
+    scoring = getattr(cfg, "scoring_func", "sigmoid" if v3 else None)
+    if scoring is not None:
+        w.add_expert_gating_func(_GATING[scoring])
     w.add_leading_dense_block_count(cfg.first_k_dense_replace)
     w.add_vocab_size(cfg.vocab_size)
     if cfg.q_lora_rank is not None:
@@ -200,9 +231,7 @@ def write_moe_gguf(
         writer.add_float32(f"{case.arch}.{key}", value)
     dropped = set(drop_tensors)
     for hf, data in llama_cpp_tensors(case, directory, cfg):
-        gguf_name = name_map.get_name(hf, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None:
-            raise AssertionError(f"gguf-py has no name for {hf}")
+        gguf_name = _gguf_name(name_map, hf)
         if gguf_name not in dropped:
             _add(writer, gguf_name, data, quant)
     for name, data in (extra_tensors or {}).items():

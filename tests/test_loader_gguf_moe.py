@@ -1,14 +1,16 @@
 """GGUF files of the mixture-of-experts architectures llama.cpp defines (qwen3moe, glm4moe,
-deepseek2), written from tiny random transformers models as convert_hf_to_gguf.py writes
-them (tests/gguf_moe_helpers.py: gguf-py's writer and tensor name map, experts stacked),
-load into models whose logits equal transformers' to 1e-4 in float32 over a prefill and
-decode steps; quantized files load dequantized, or with their expert stacks still
-quantized; a file missing what the model needs, or that it cannot reproduce, is a
-ValueError naming it."""
+deepseek2 with sigmoid or softmax gating), written from tiny random transformers models
+as convert_hf_to_gguf.py writes them (tests/gguf_moe_helpers.py: gguf-py's writer and
+tensor name map, experts stacked), load into models whose logits equal transformers' to
+1e-4 in float32 over a prefill and decode steps (DeepSeek-V2's routers computing what
+llama.cpp computes: tests/gguf_moe_cases.py's `llama_cpp_routing`); quantized files load
+dequantized, or with their expert stacks still quantized; a file missing what the model
+needs, or that it cannot reproduce, is a ValueError naming it."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +27,9 @@ from mlx.utils import tree_flatten
 
 from runtime.gguf import GGUFFile
 from runtime.loader import LoadedModel, load
-from runtime.models.moe import QuantizedSwitchLinear, SwitchLinear
+from runtime.models.moe import GROUP_MAX, QuantizedSwitchLinear, SparseMoE, SwitchLinear
 from tests.gguf_helpers import TOKENS
-from tests.gguf_moe_cases import CASES, build
+from tests.gguf_moe_cases import CASES, build, llama_cpp_routing
 from tests.gguf_moe_helpers import write_moe_gguf
 from tests.model_checks import TinyModels, chunked
 from tests.tiny_models import torch_logits
@@ -110,6 +112,32 @@ _EXPECTED: dict[str, dict[str, Any]] = {
         "attention_bias": True,
     },
     "deepseek2_kv_b_both": {"q_lora_rank": 32, "qk_nope_head_dim": 16, "v_head_dim": 16},
+    "deepseek2_gate_up": {"model_type": "deepseek_v3", "moe_intermediate_size": 32},
+    "glm4moe_gate_up": {"model_type": "glm4_moe", "n_routed_experts": 16},
+    "deepseek2_v2": {
+        "model_type": "deepseek_v2",
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "scoring_func": "softmax",
+        "topk_method": "noaux_tc",
+        "num_experts_per_tok": 3,
+        "q_lora_rank": 32,
+        "n_group": 4,
+        "topk_group": 2,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 4.0,
+        "first_k_dense_replace": 1,
+    },
+    "deepseek2_v2_lite_old": {
+        "model_type": "deepseek_v2",
+        "scoring_func": "softmax",
+        "q_lora_rank": None,
+        "n_group": 1,
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.5,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 0,
+        "attention_bias": True,
+    },
 }
 
 
@@ -129,7 +157,9 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
 def _assert_logits(loaded: LoadedModel, model: Any, atol: float = ATOL) -> None:
     """A prefill then decode steps through our caches give transformers' full pass."""
     ours = chunked(loaded.model, TOKENS, [PREFILL, 1])
-    np.testing.assert_allclose(ours, torch_logits(model, TOKENS), atol=atol, rtol=0)
+    with llama_cpp_routing(model):
+        want = torch_logits(model, TOKENS)
+    np.testing.assert_allclose(ours, want, atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -162,7 +192,10 @@ def test_deepseek2_yarn_is_llama_cpps(written: TinyModels) -> None:
 
 
 @pytest.mark.parametrize("quant", [QT.F16, QT.Q8_0], ids=lambda q: q.name)
-@pytest.mark.parametrize("name", ["qwen3moe", "glm4moe", "deepseek2_kv_b_both"])
+@pytest.mark.parametrize(
+    "name",
+    ["qwen3moe", "glm4moe", "deepseek2_kv_b_both", "deepseek2_v2_lite_old", "deepseek2_gate_up"],
+)
 def test_quantized_moe_gguf(tmp_path: Path, name: str, quant: QT) -> None:
     """Weights rounded through `quant` first, so the file holds them exactly: dequantized
     on the CPU the logits are transformers'; kept quantized, the expert stacks are one
@@ -181,6 +214,7 @@ def test_quantized_moe_gguf(tmp_path: Path, name: str, quant: QT) -> None:
         assert kept.quantized is False and isinstance(layer.switch_mlp.gate_proj, SwitchLinear)
         return
     assert kept.quantized is True
+    assert isinstance(layer.switch_mlp.gate_proj, QuantizedSwitchLinear)  # fused: split
     experts = layer.switch_mlp.down_proj
     assert isinstance(experts, QuantizedSwitchLinear)
     assert (experts.bits, experts.group_size, experts.scales.shape) == (
@@ -193,6 +227,17 @@ def test_quantized_moe_gguf(tmp_path: Path, name: str, quant: QT) -> None:
         attention = kept.model.model.layers[1].self_attn  # type: ignore[attr-defined]
         assert isinstance(attention.kv_b_proj, QuantizedLinear)
     _assert_logits(kept, model)
+
+
+def test_fused_gate_up_is_one_tensor_in_the_file(written: TinyModels) -> None:
+    """What the _gate_up cases hold (their logits are checked above): each MoE block's
+    experts as ffn_gate_up_exps, (experts, gate rows then up rows, embedding)."""
+    model, directory = written["glm4moe_gate_up"]
+    tensors = GGUFFile(directory / "model.gguf").tensors
+    width = model.config.moe_intermediate_size
+    fused = tensors["blk.1.ffn_gate_up_exps.weight"]
+    assert fused.shape == (model.config.n_routed_experts, 2 * width, model.config.hidden_size)
+    assert not {"blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_exps.weight"} & set(tensors)
 
 
 def test_router_bias_stays_float32_in_half_precision(written: TinyModels) -> None:
@@ -240,12 +285,38 @@ def test_missing_key_is_an_error_naming_it(
         load(path)
 
 
-def test_deepseek2_without_gating_is_softmax_and_refused(
-    written: TinyModels, tmp_path: Path
-) -> None:
+def test_deepseek2_gating_picks_the_model(written: TinyModels, tmp_path: Path) -> None:
+    """Sigmoid files are deepseek_v3, softmax ones deepseek_v2 (their routers are checked
+    against transformers above); other gatings are refused, and so is a softmax file with
+    a score-correction bias (a V3 file without its gating key reads as one)."""
+    assert load(written["deepseek2"][1] / "model.gguf").config["model_type"] == "deepseek_v3"
     path = _broken(written, "deepseek2", tmp_path, drop_keys=["expert_gating_func"])
-    with pytest.raises(ValueError, match=r"deepseek2\.expert_gating_func is softmax"):
+    with pytest.raises(ValueError, match=r"blk\.1\.exp_probs_b\.bias: .* softmax routing"):
         load(path)
+    other = {"expert_gating_func": 3.0}
+    path = _broken(
+        written, "deepseek2_v2", tmp_path, drop_keys=["expert_gating_func"], extra_keys=other
+    )
+    with pytest.raises(ValueError, match=r"expert_gating_func is 3; only softmax or sigmoid"):
+        load(path)
+
+
+@pytest.mark.parametrize("change", [{"group_score": GROUP_MAX}, {"normalize": False}])
+def test_deepseek2_softmax_routing_is_llama_cpps(
+    written: TinyModels, change: dict[str, Any]
+) -> None:
+    """llama.cpp scores a softmax file's groups by their two best experts (transformers
+    and DeepSeek-V2's code: by the best one) and renormalises when expert_weights_norm
+    (transformers' V2 ignores norm_topk_prob): each rule changes this model's logits, so
+    matching the llama.cpp oracle checks both."""
+    model, directory = written["deepseek2_v2"]
+    loaded = load(directory / "model.gguf")
+    for layer in loaded.model.model.layers:  # type: ignore[attr-defined]
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp.routing = replace(layer.mlp.routing, **change)
+    with llama_cpp_routing(model):
+        want = torch_logits(model, TOKENS)
+    assert not np.allclose(chunked(loaded.model, TOKENS, [PREFILL, 1]), want, atol=ATOL)
 
 
 def test_deepseek2_rope_attn_factor_is_refused(written: TinyModels, tmp_path: Path) -> None:
@@ -262,7 +333,23 @@ def test_moe_block_without_router_is_an_error(written: TinyModels, tmp_path: Pat
 
 
 def test_unknown_moe_tensor_is_an_error(written: TinyModels, tmp_path: Path) -> None:
-    extra = {"blk.0.ffn_gate_up_exps.weight": np.zeros((8, 64, 64), dtype=np.float32)}
+    # qwen2moe's shared-expert gate: a tensor qwen3moe has no place for
+    extra = {"blk.0.ffn_gate_inp_shexp.weight": np.zeros((64,), dtype=np.float32)}
     path = _broken(written, "qwen3moe", tmp_path, extra_tensors=extra)
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_gate_up_exps\.weight"):
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_gate_inp_shexp\.weight"):
+        load(path)
+
+
+def test_fused_gate_up_with_split_stacks_is_an_error(written: TinyModels, tmp_path: Path) -> None:
+    extra = {"blk.1.ffn_up_exps.weight": np.zeros((8, 32, 64), dtype=np.float32)}
+    path = _broken(written, "deepseek2_gate_up", tmp_path, extra_tensors=extra)
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_gate_up_exps\.weight: .* ffn_up_exps"):
+        load(path)
+
+
+def test_fused_gate_up_with_odd_rows_is_an_error(written: TinyModels, tmp_path: Path) -> None:
+    name = "blk.1.ffn_gate_up_exps.weight"
+    odd = {name: np.zeros((8, 63, 64), dtype=np.float32)}
+    path = _broken(written, "deepseek2_gate_up", tmp_path, drop_tensors=[name], extra_tensors=odd)
+    with pytest.raises(ValueError, match=re.escape(f"{name}: shape (8, 63, 64) is not")):
         load(path)
