@@ -476,13 +476,12 @@ class PrefixCache(TrieEviction, Generic[C]):
             self.discard(self._lease)
         if self._disk is not None and not self._disk.closed:
             self.reclaim()  # the live path goes to disk too
-        self._loan = None
-        if self._disk is not None and not self._disk.closed:
             try:
                 self._persist()
             except Exception:
                 log.exception("prefix cache: writing the cache to disk failed")
             self._disk.close()
+        self._loan = None
         for node in list(self._trie.walk()):
             self._trie.set_snapshots(node, [])  # closes them, keeping the byte count right
         self._clear_live()

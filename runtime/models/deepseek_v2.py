@@ -114,6 +114,3 @@ class Model(deepseek_v3.Model):
     """DeepSeek-V3's model with V2's arguments (the router follows `ModelArgs.routing`)."""
 
     args: ModelArgs
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__(args)
