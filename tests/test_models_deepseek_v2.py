@@ -187,6 +187,23 @@ def test_config_defaults_are_deepseek_v2s() -> None:
     assert "deepseek_v2" in supported_model_types()
 
 
+def test_norm_topk_prob_under_the_v2_methods_is_said_not_to_apply(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The V2 methods scale and never renormalise: a config asking for it is told so."""
+    with caplog.at_level("WARNING", logger="runtime.models.deepseek_v2"):
+        args = ModelArgs.from_config(_config(norm_topk_prob=True))
+    assert not args.routing.normalize
+    assert "norm_topk_prob is true" in caplog.text and "'greedy'" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="runtime.models.deepseek_v2"):
+        ModelArgs.from_config(
+            _config(topk_method="noaux_tc", n_group=8, topk_group=3, norm_topk_prob=True)
+        )
+        ModelArgs.from_config(_config())
+    assert not caplog.text
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

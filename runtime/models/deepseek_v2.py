@@ -23,12 +23,15 @@ interleaved (its complex form), so they do here.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Self
 
 from runtime.models import deepseek_v3
 from runtime.models.moe import GROUP_MAX, GROUP_TOP2, SOFTMAX, Routing
+
+log = logging.getLogger(__name__)
 
 GREEDY = "greedy"
 GROUP_LIMITED_GREEDY = "group_limited_greedy"
@@ -63,6 +66,12 @@ class ModelArgs(deepseek_v3.ModelArgs):
         method = str(config.get("topk_method") or GREEDY)
         if method != GREEDY and args.n_routed_experts > 0:
             _check_groups(config, args.n_routed_experts, method)
+        if args.norm_topk_prob and method != NOAUX_TC:
+            log.warning(
+                "deepseek_v2: norm_topk_prob is true, but under topk_method %r the routed "
+                "weights are scaled, not renormalised (as transformers' DeepSeek-V2 does)",
+                method,
+            )
         return replace(args, topk_method=method, mla=replace(args.mla, rope_interleave=True))
 
     @property
