@@ -12,6 +12,10 @@ Sources:
    scales): the fp8 weights decoded at load (runtime/fp8.py), and kept quantized as
    MLX 8-bit affine weights.
 
+A folder quantized any other way (quantization_config.quant_method "gptq", "awq",
+"bitsandbytes", "compressed-tensors", ... or one we have never heard of) is refused
+before any weight is read, with a ValueError naming the method and what to use instead.
+
 Precision policy: on the CPU everything becomes float32 (MLX's CPU backend has fast
 float32 matmuls only; bf16 and quantized matmuls are several times slower), so quantized
 weights are dequantized at load. On an accelerator quantized weights stay quantized:
@@ -298,6 +302,54 @@ def _read_weights(files: Iterable[Path]) -> dict[str, mx.array]:
     return weights
 
 
+# quantization_config.quant_method values a folder may carry: "fp8" (runtime/fp8.py) and
+# "mlx", some converters' name for MLX triplets (mlx-lm writes no method at all)
+_QUANT_METHODS = frozenset({"fp8", "mlx"})
+_INSTEAD = (
+    "use an unquantized (bfloat16/float16) safetensors folder, an MLX-quantized folder "
+    "(mlx-community's, or made with mlx_lm.convert -q), an FP8 block-scaled checkpoint "
+    "(quant_method 'fp8') or a GGUF file"
+)
+
+
+def _check_quant_method(config: Mapping[str, Any]) -> None:
+    """A ValueError for a checkpoint quantized by a method we cannot load, before any
+    weight is read: its tensors would otherwise fail as strays, or load as something
+    else (GPTQ's config has "bits" too). An MLX folder's "quantization" wins over a
+    leftover quantization_config, as in runtime/fp8.py."""
+    quant = config.get("quantization_config")
+    mlx_quant = config.get("quantization")
+    if not isinstance(quant, Mapping) or (isinstance(mlx_quant, Mapping) and "bits" in mlx_quant):
+        return
+    method = quant.get("quant_method")
+    if not method and (quant.get("load_in_4bit") or quant.get("load_in_8bit")):
+        # written before transformers named its methods: bitsandbytes
+        raise ValueError(
+            "config.json quantization_config has load_in_4bit/load_in_8bit: "
+            f"bitsandbytes-quantized checkpoints are not supported; {_INSTEAD}"
+        )
+    name = str(method or "").lower()
+    if not name or name in _QUANT_METHODS:
+        return
+    formats = sorted(_compressed_formats(quant)) if name == "compressed-tensors" else []
+    detail = f" (format {', '.join(map(repr, formats))})" if formats else ""
+    if "float-quantized" in formats:  # fp8, but not in the layout runtime/fp8.py reads
+        detail = detail[:-1] + ": compressed-tensors' fp8 layout, not quant_method 'fp8')"
+    raise ValueError(
+        f"config.json quantization_config.quant_method is {method!r}{detail}: checkpoints "
+        f"quantized with {method} are not supported; {_INSTEAD}"
+    )
+
+
+def _compressed_formats(quant: Mapping[str, Any]) -> set[str]:
+    """A compressed-tensors config's weight formats: its own, or its groups'."""
+    groups = quant.get("config_groups")
+    values = [quant.get("format")]
+    if isinstance(groups, Mapping):
+        values += [g.get("format") for g in groups.values() if isinstance(g, Mapping)]
+    return {str(v) for v in values if v}
+
+
 def _quant_config(config: Mapping[str, Any]) -> dict[str, Any] | None:
     quant = config.get("quantization") or config.get("quantization_config")
     if not isinstance(quant, Mapping) or "bits" not in quant:
@@ -401,6 +453,7 @@ def _load_folder(
     folder: Path, dtype: str | None, keep_quantized: bool, shard: ShardHook | None = None
 ) -> LoadedModel:
     config = _read_config(folder)
+    _check_quant_method(config)
     files = _safetensors_files(folder)
     fp8_format = fp8.fp8_spec(config)  # refuses what it cannot load before reading
     stored = fp8.stored_dtypes(files) if fp8_format is not None else {}

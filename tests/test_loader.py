@@ -1,5 +1,6 @@
 """Loading: GGML block decoding, GGUF -> HF tensor names and llama.cpp's transforms, HF
-and MLX-quantized folders. GGUF files end to end: tests/test_loader_gguf.py."""
+and MLX-quantized folders, folders quantized by methods we refuse. GGUF files end to end:
+tests/test_loader_gguf.py."""
 
 from __future__ import annotations
 
@@ -190,6 +191,104 @@ def test_mlx_quantized_folder(tiny_llama_folder: tuple[Path, Any], tmp_path: Pat
     np.testing.assert_allclose(
         our_logits(kept, TOKENS), our_logits(loaded, TOKENS), atol=1e-4, rtol=1e-4
     )
+
+
+def _with_config(src: Path, dst: Path, **entries: Any) -> Path:
+    """A copy of the folder ``src`` with ``entries`` set in its config.json."""
+    dst.mkdir()
+    for file in src.iterdir():
+        if file.is_file() and file.name != "config.json":
+            (dst / file.name).write_bytes(file.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **entries}))
+    return dst
+
+
+_ALTERNATIVES = ("unquantized", "MLX-quantized folder", "FP8 block-scaled", "GGUF")
+_FOREIGN_METHODS = [
+    "compressed-tensors",
+    "gptq",
+    "awq",
+    "mxfp4",
+    "bitsandbytes",
+    "hqq",
+    "eetq",
+    "aqlm",
+    "quanto",
+    "torchao",
+    "exl2",
+    "fbgemm_fp8",
+    "bitnet",
+    "GPTQ",  # spelled as the config spells it
+    "some-future-method",
+]
+
+
+@pytest.mark.parametrize("method", _FOREIGN_METHODS)
+def test_foreign_quantization_is_refused_naming_it(
+    tiny_llama_folder: tuple[Path, Any], tmp_path: Path, method: str
+) -> None:
+    """Refused from the config alone (the weights here are plain ones that would load;
+    with "bits" the config used to pass for an MLX-quantized one)."""
+    folder, _ = tiny_llama_folder
+    quant = {"quant_method": method, "bits": 4, "group_size": 128}
+    bad = _with_config(folder, tmp_path / "bad", quantization_config=quant)
+    with pytest.raises(ValueError) as info:
+        load(bad)
+    message = str(info.value)
+    assert f"quantization_config.quant_method is {method!r}" in message
+    assert "not supported" in message
+    assert all(alternative in message for alternative in _ALTERNATIVES), message
+
+
+_FLOAT_GROUP = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [
+        {"quant_method": "compressed-tensors", "format": "float-quantized"},
+        {
+            "quant_method": "compressed-tensors",
+            "config_groups": {"group_0": {**_FLOAT_GROUP, "format": "float-quantized"}},
+        },
+    ],
+    ids=["format", "group_format"],
+)
+def test_compressed_tensors_fp8_is_refused_naming_its_format(
+    tiny_llama_folder: tuple[Path, Any], tmp_path: Path, quant: dict[str, Any]
+) -> None:
+    folder, _ = tiny_llama_folder
+    bad = _with_config(folder, tmp_path / "bad", quantization_config=quant)
+    with pytest.raises(ValueError, match=r"'compressed-tensors' \(format 'float-quantized': .*"):
+        load(bad)
+
+
+def test_legacy_bitsandbytes_config_is_refused(
+    tiny_llama_folder: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """Written before transformers named its methods: no quant_method, load_in_4bit."""
+    folder, _ = tiny_llama_folder
+    quant = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    bad = _with_config(folder, tmp_path / "bad", quantization_config=quant)
+    with pytest.raises(ValueError, match="bitsandbytes-quantized checkpoints are not supported"):
+        load(bad)
+
+
+@pytest.mark.parametrize("method", [None, "mlx"])
+def test_mlx_quantized_folder_with_quantization_config_loads(
+    tiny_llama_folder: tuple[Path, Any], tmp_path: Path, method: str | None
+) -> None:
+    """mlx-lm writes its "quantization" again as a method-less quantization_config;
+    some converters add quant_method "mlx"."""
+    folder, _ = tiny_llama_folder
+    expected = _quantize_folder(folder, tmp_path / "q")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    quant = dict(config["quantization"], **({"quant_method": method} if method else {}))
+    q = _with_config(tmp_path / "q", tmp_path / "q2", quantization_config=quant)
+    params = dict(tree_flatten(load(q).model.parameters()))
+    assert np.array_equal(np.array(params["lm_head.weight"]), np.array(expected["lm_head.weight"]))
+    assert load(q, keep_quantized=True).quantized is True
 
 
 def test_load_rejects_missing_and_odd_sources(tmp_path: Path) -> None:
