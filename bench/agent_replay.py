@@ -160,17 +160,24 @@ def system_text(acct: Accountant, fixture: Path | None, n_tokens: int) -> str:
 class Accountant:
     """The model's own tokenizer and chat template, as the gateway renders prompts."""
 
-    def __init__(self, gguf: Path) -> None:
-        from runtime.gguf import GGUFFile
-        from runtime.gguf_config import hf_config
-        from runtime.tokenizer import Tokenizer
+    def __init__(self, model: Path) -> None:
+        from runtime.tokenizer import Tokenizer, read_chat_template
         from templates import renderer_for
 
-        gf = GGUFFile(gguf)
-        config = hf_config(gf)
-        self.tok = Tokenizer.from_gguf(gf)
-        template = gf.get("tokenizer.chat_template")
-        self.chat_template = str(template) if template else None
+        if model.is_dir():  # a HF folder: config.json, tokenizer.json, tokenizer_config.json
+            config = json.loads((model / "config.json").read_text())
+            config = {**config, **config.get("text_config", {})}
+            self.tok = Tokenizer.from_folder(model)
+            self.chat_template = read_chat_template(model)
+        else:
+            from runtime.gguf import GGUFFile
+            from runtime.gguf_config import hf_config
+
+            gf = GGUFFile(model)
+            config = hf_config(gf)
+            self.tok = Tokenizer.from_gguf(gf)
+            template = gf.get("tokenizer.chat_template")
+            self.chat_template = str(template) if template else None
         self.renderer = renderer_for(
             self.chat_template,
             bos_token=self.tok.bos_token,
@@ -392,8 +399,11 @@ def bench_server(
 # ---------------------------------------------------------------- peers' setup
 def mlx_folder(gguf: Path, alias: str, acct: Accountant) -> Path:
     """Our loader's float32 weights as a HF folder (bench/decode.py writes it), plus the
-    tokenizer files mlx-lm's loader needs, offline."""
+    tokenizer files mlx-lm's loader needs, offline. A HF folder serves as it is."""
     from gateway.cli.store import gateway_home
+
+    if gguf.is_dir():
+        return gguf
 
     folder = gateway_home() / "bench" / f"{alias}-float32"
     if not (folder / "model.safetensors").exists():
@@ -512,7 +522,11 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", default="smollm2-135m", help="store alias (a llama-family GGUF)")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="store alias, GGUF file or HF folder (e.g. bench/real_shapes.py's)",
+    )
     p.add_argument("--conversations", type=int, default=3)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=2000)
@@ -534,6 +548,8 @@ def _spec(
     if name == "mlx-lm":
         return _mlx_spec(mlx_folder(gguf, args.model, acct), port, n)
     if name == "llama.cpp":
+        if gguf.is_dir():
+            raise ValueError("llama.cpp serves GGUF files only; this model is a HF folder")
         return _llama_spec(gguf, port, acct.context_length)
     return _gateway_spec(name, args.model, port)
 

@@ -32,6 +32,11 @@ def _prompt_ids(vocab: int, n: int) -> list[int]:
     return [(1009 * i + 7) % (vocab - 512) + 256 for i in range(n)]
 
 
+def _vocab(config: dict[str, Any]) -> int:
+    """The vocabulary size, also of a multimodal config that nests its text model's."""
+    return int(config.get("vocab_size") or config["text_config"]["vocab_size"])
+
+
 def _export_hf(gguf: Path, out: Path, dtype: str) -> None:
     """Write our loader's dequantized weights as a HF-style folder mlx-lm can load."""
     import mlx.core as mx
@@ -61,7 +66,7 @@ def worker_gateway(gguf: Path, prompt_tokens: int, gen_tokens: int, repeats: int
     loaded = dataclasses.replace(loaded, eos_token_ids=frozenset())  # always generate gen_tokens
     engine = Engine(ModelRunner(loaded))
     engine.start()
-    vocab = loaded.model.args.vocab_size
+    vocab = _vocab(loaded.config)
     greedy = SamplingParams(temperature=0.0)
     warmup = GenerationRequest(tuple(_prompt_ids(vocab, 32)[::-1]), 8, greedy)
     list(engine.submit(warmup))
@@ -84,8 +89,9 @@ def worker_mlxlm(folder: Path, prompt_tokens: int, gen_tokens: int, repeats: int
     from mlx_lm.utils import load_model
 
     model, config = load_model(folder)
-    prompt = mx.array(_prompt_ids(config["vocab_size"], prompt_tokens))
-    for _ in generate_step(mx.array(_prompt_ids(config["vocab_size"], 32)), model, max_tokens=8):
+    vocab = _vocab(config)
+    prompt = mx.array(_prompt_ids(vocab, prompt_tokens))
+    for _ in generate_step(mx.array(_prompt_ids(vocab, 32)), model, max_tokens=8):
         pass  # warm up
     runs = []
     for _ in range(repeats):

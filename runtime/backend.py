@@ -117,3 +117,20 @@ def on_cpu() -> bool:
 def default_dtype_name() -> str:
     """Float32 on CPU (bf16/fp16 matmuls have no fast path there), bfloat16 elsewhere."""
     return "float32" if on_cpu() else "bfloat16"
+
+
+def release_thread_streams() -> None:
+    """Wait for, then destroy, the MLX streams the calling thread created.
+
+    Call it last in every thread that ran MLX work. MLX 0.32 leaves a thread's streams
+    to the process's exit otherwise, where they can abort it ("terminate called without
+    an active exception", exit 134) after all the work is done."""
+    import mlx.core as mx
+
+    for step in (mx.synchronize, getattr(mx, "clear_streams", None)):
+        if step is None:
+            continue
+        try:
+            step()
+        except Exception as exc:  # a thread ending on an error still ends
+            log.debug("releasing this thread's MLX streams: %s", exc)

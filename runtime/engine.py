@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
+from runtime import backend
 from runtime.engine_types import BatchRunner as BatchRunner
 from runtime.engine_types import EngineFailure as EngineFailure
 from runtime.engine_types import EngineHealth as EngineHealth
@@ -377,13 +378,22 @@ class Engine:
         self._beat = time.monotonic()
         self.stats.busy = False
         thread = threading.Thread(
-            target=self._work, args=(self._generation, recover), name="mlx-engine", daemon=True
+            target=self._work_then_release,
+            args=(self._generation, recover),
+            name="mlx-engine",
+            daemon=True,
         )
         self._thread = thread
         thread.start()
 
     def _current(self, generation: int) -> bool:
         return generation == self._generation
+
+    def _work_then_release(self, generation: int, recover: bool) -> None:
+        try:
+            self._work(generation, recover)
+        finally:
+            backend.release_thread_streams()
 
     def _work(self, generation: int, recover: bool) -> None:
         runner = self._runner

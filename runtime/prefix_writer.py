@@ -14,6 +14,8 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+from runtime import backend
+
 log = logging.getLogger(__name__)
 
 
@@ -46,6 +48,12 @@ class Writer:
         return True
 
     def _run(self) -> None:
+        try:
+            self._drain_jobs()
+        finally:
+            backend.release_thread_streams()
+
+    def _drain_jobs(self) -> None:
         while True:
             with self._cond:
                 while not self._jobs and self._thread is threading.current_thread():

@@ -756,7 +756,7 @@ def test_launch_starts_the_gateway_and_stops_it_after_the_client(
     assert rc == 0, err
     got = scratch.recorded()
     assert got["health"] == 200  # the gateway served while the client ran
-    assert got["argv"] == ["--model", tiny_qwen3_dir.stem, "-p", "hi"]
+    assert got["argv"] == ["--model", tiny_qwen3_dir.name, "-p", "hi"]
     assert got["env"]["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "65536"
     pid = int(err.split("stopped the gateway launch started (pid ")[1].split(")")[0])
     assert not _alive(pid) and not _port_open(port)
@@ -818,3 +818,14 @@ def test_the_model_card_is_read_with_or_without_the_newer_fields(tmp_path: Path)
     served = dataclasses.replace(new, source=str(model_file))
     assert server.serves(served, str(model_file))  # the same file, asked by path
     assert server.serves(served, "a") and not server.serves(served, "other")
+
+
+def test_a_path_is_served_under_its_whole_folder_name_or_its_file_stem(tmp_path: Path) -> None:
+    # a folder's dots are part of its name: Qwen3.5-0.8B must not be served as "Qwen3.5-0"
+    folder = tmp_path / "Qwen3.5-0.8B-4bit"
+    folder.mkdir()
+    gguf = tmp_path / "Qwen3.5-0.8B-Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert server.requested_id(str(folder)) == "Qwen3.5-0.8B-4bit"
+    assert server.requested_id(str(gguf)) == "Qwen3.5-0.8B-Q4_K_M"
+    assert server.requested_id("qwen2.5-coder-0.5b") == "qwen2.5-coder-0.5b"  # an alias

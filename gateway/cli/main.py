@@ -395,11 +395,10 @@ def _engine_settings(args: argparse.Namespace) -> EngineSettings:
 def _resolve(name: str) -> tuple[Path, str]:
     """The model's path and the id clients see: an alias or repo id as given, else the
     file or folder name."""
+    from gateway.cli.launch.server import requested_id
     from gateway.cli.store import Store
 
-    path = Store().resolve(name)
-    model_id = Path(name).stem if Path(name).expanduser().exists() else name
-    return path, model_id
+    return Store().resolve(name), requested_id(name)
 
 
 def _serve(args: argparse.Namespace) -> int:

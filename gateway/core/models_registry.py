@@ -25,6 +25,7 @@ from typing import Any
 from gateway.core.errors import InternalError, NotFound, Overloaded
 from gateway.core.model_memory import default_memory_budget, release_memory, served_bytes
 from gateway.core.served import ServedModel
+from runtime.backend import release_thread_streams
 from runtime.engine import EngineState, EngineStats
 
 log = logging.getLogger(__name__)
@@ -397,6 +398,7 @@ class ModelRegistry:
             try:
                 target(slot)
             finally:
+                release_thread_streams()  # a load evaluates weights on this thread
                 with self._cond:
                     self._threads.discard(threading.current_thread())
 

@@ -121,9 +121,13 @@ def probe(endpoint: Endpoint, timeout: float = 3.0) -> Served | None:
 
 
 def requested_id(model: str) -> str:
-    """The id `mlx-gateway serve --model MODEL` serves under (see cli.main._resolve)."""
+    """The id `mlx-gateway serve --model MODEL` serves under: an alias or repo id as given;
+    for a path, the file's name without its extension, or the folder's whole name (a folder
+    such as `Qwen3.5-0.8B` has no extension to drop)."""
     path = Path(model).expanduser()
-    return path.stem if path.exists() else model
+    if not path.exists():
+        return model
+    return path.name if path.is_dir() else path.stem
 
 
 def serves(served: Served, model: str) -> bool:
