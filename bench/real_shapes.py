@@ -83,6 +83,7 @@ _MOE: dict[str, Any] = {
     "vocab_size": 151_936,
     "max_position_embeddings": 32_768,
     "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
     "tie_word_embeddings": False,
 }
 
@@ -139,10 +140,24 @@ def _build(name: str, folder: Path) -> None:
     tmp = folder.with_name(folder.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
+    _published_keys(tmp / "config.json")
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(_tokenizer_dir() / file, tmp / file)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)  # config.json appears only once the folder is whole
+
+
+def _published_keys(path: Path) -> None:
+    """Add the spelling published configs use (transformers 5 writes `rope_parameters`
+    and `num_local_experts`; mlx-lm's qwen3_moe reads only `rope_theta`, `num_experts`)."""
+    config = json.loads(path.read_text())
+    text = config.get("text_config", config)
+    for cfg in (config, text):
+        if "rope_parameters" in cfg:
+            cfg.setdefault("rope_theta", cfg["rope_parameters"]["rope_theta"])
+        if "num_local_experts" in cfg:
+            cfg.setdefault("num_experts", cfg["num_local_experts"])
+    path.write_text(json.dumps(config, indent=1))
 
 
 def _worker(kind: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
