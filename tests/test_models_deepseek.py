@@ -1,6 +1,7 @@
 """DeepSeek V3: multi-head latent attention and grouped sigmoid MoE against transformers on
 tiny random models; the absorbed (decode) and expanded (prefill) forms of MLA against each
-other; the latent cache's paging and its size; the prefix cache over it; loading."""
+other; the latent cache's paging and its size; the prefix cache over it (and over V2's and
+GLM-4.7-Flash's, the same latent caches); loading."""
 
 from __future__ import annotations
 
@@ -275,7 +276,7 @@ def _serve(pc: PrefixCache[Any], model: Model, prompt: Sequence[int]) -> tuple[i
     return lease.reused, logits
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2", "glm4_moe_lite"])
 def test_prefix_cache_restores_latent_state(name: str, tiny: TinyModels) -> None:
     model = _model(tiny[name][1])
     rng = np.random.default_rng(5)

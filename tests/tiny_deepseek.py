@@ -1,5 +1,5 @@
-"""Tiny random transformers DeepSeek-V3 and -V2 models (the oracles for
-runtime/models/deepseek_v3.py and deepseek_v2.py).
+"""Tiny random transformers DeepSeek-V3, DeepSeek-V2 and GLM-4.7-Flash models (the oracles
+for runtime/models/deepseek_v3.py, deepseek_v2.py and glm4_moe_lite.py).
 
 Import only after ``pytest.importorskip("torch")`` and ``("transformers")``: this module
 imports both at the top.
@@ -81,6 +81,14 @@ def _deepseek_v2(**extra: Any) -> Any:
     return transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**config))
 
 
+def _glm4_moe_lite(**extra: Any) -> Any:
+    """GLM-4.7-Flash on V3's tiny shape (its per-layer `mlp_layer_types` for V3's
+    `first_k_dense_replace`, which Glm4MoeLiteConfig does not read)."""
+    base = {k: v for k, v in _BASE.items() if k != "first_k_dense_replace"}
+    config = copy.deepcopy({**base, **extra})
+    return transformers.Glm4MoeLiteForCausalLM(transformers.Glm4MoeLiteConfig(**config))
+
+
 def _old_rope_keys(config: dict[str, Any]) -> dict[str, Any]:
     """transformers-5 `rope_parameters` rewritten as DeepSeek's released config.json has
     them: top-level rope_theta and rope_scaling with "type"."""
@@ -136,6 +144,54 @@ V2_VARIANTS: Mapping[str, Variant] = {
 }
 
 
+def _hub_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A transformers-written GLM-4.7-Flash config.json as zai-org ships it: no
+    mlp_layer_types (first_k_dense_replace instead), top-level rope_theta and
+    partial_rotary_factor, the noaux_tc method named."""
+    types = config.pop("mlp_layer_types")
+    dense = types.index("sparse")
+    assert types == ["dense"] * dense + ["sparse"] * (len(types) - dense)
+    params = dict(config.pop("rope_parameters"))
+    config.update(
+        first_k_dense_replace=dense,
+        moe_layer_freq=1,
+        rope_theta=params.pop("rope_theta"),
+        rope_scaling=None,
+        partial_rotary_factor=1.0,
+        topk_method="noaux_tc",
+    )
+    return config
+
+
+_LITE_PLAIN = {k: v for k, v in DEEPSEEK_PLAIN.items() if k != "first_k_dense_replace"}
+
+
+def _lite() -> Any:
+    return _glm4_moe_lite(
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    )
+
+
+# GLM-4.7-Flash: query LoRA, interleaved rope at its base, grouped routing, norm_topk_prob,
+# MoE after one dense layer (also with the config as zai-org writes it); and queries
+# projected directly, rope in halves with YaRN, biases, ungrouped routing without
+# renormalising, two shared experts, a dense layer between sparse ones (which no
+# first_k_dense_replace can say)
+LITE_VARIANTS: Mapping[str, Variant] = {
+    "glm4_moe_lite": (_lite, None),
+    "glm4_moe_lite_plain": (
+        lambda: _glm4_moe_lite(
+            **{**_LITE_PLAIN, "rope_parameters": dict(_YARN)},
+            rope_interleave=False,
+            mlp_layer_types=["sparse", "dense", "sparse"],
+        ),
+        None,
+    ),
+    "glm4_moe_lite_hub": (_lite, _hub_config),
+}
+
+
 def add_mtp_layer(directory: Path, num_layers: int = LAYERS) -> list[str]:
     """Append a multi-token-prediction layer (index `num_layers`) to a saved checkpoint,
     shaped as DeepSeek ships it; return its tensor names."""
@@ -157,9 +213,9 @@ def add_mtp_layer(directory: Path, num_layers: int = LAYERS) -> list[str]:
 
 
 def make_tiny(name: str, directory: Path, seed: int = 0) -> Any:
-    """Build the `name` variant (V3's or V2's), save it into `directory`; return the torch
-    model (eval)."""
-    variant = VARIANTS[name] if name in VARIANTS else V2_VARIANTS[name]
+    """Build the `name` variant (V3's, V2's or GLM-4.7-Flash's), save it into `directory`;
+    return the torch model (eval)."""
+    variant = {**VARIANTS, **V2_VARIANTS, **LITE_VARIANTS}[name]
     return save_tiny(variant, directory, seed, partial(randomize, bias_scale=0.05))
 
 

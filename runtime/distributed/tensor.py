@@ -11,10 +11,11 @@ widths as evenly as whole quantization groups allow (runtime/distributed/layers.
   (`split_heads`). q/k/v keep their rows; o_proj is row-parallel over the same heads.
 - `GatedAttention` (qwen3_next, qwen3_5): the same, q_proj's rows being each head's
   query and output gate side by side.
-- `MultiLatentAttention` (deepseek_v3, deepseek_v2): heads split (q_proj or q_b_proj,
-  kv_b_proj rows; o_proj row-parallel). The latent and the rotary key are shared by all
-  heads, so q_a_proj, kv_a_proj_with_mqa and their norms stay whole and every rank caches
-  the whole latent (576 numbers a token for DeepSeek-V3: the cache MLA already shrank).
+- `MultiLatentAttention` (deepseek_v3, deepseek_v2, glm4_moe_lite): heads split (q_proj
+  or q_b_proj, kv_b_proj rows; o_proj row-parallel). The latent and the rotary key are
+  shared by all heads, so q_a_proj, kv_a_proj_with_mqa and their norms stay whole and
+  every rank caches the whole latent (576 numbers a token for DeepSeek-V3: the cache MLA
+  already shrank).
 - `GatedDeltaNet` (qwen3_next, qwen3_5): value heads split, each rank keeping the key
   heads its value heads read (repeated where they read them unequally: a value head
   carries a recurrent state, so it is never padded); the conv's channels, in_proj_qkv's

@@ -20,6 +20,7 @@ _ARCHITECTURES: Mapping[str, str] = MappingProxyType(
         "gemma3": "gemma3",
         "qwen3_moe": "qwen3_moe",
         "glm4_moe": "glm4_moe",
+        "glm4_moe_lite": "glm4_moe_lite",
         "qwen3_next": "qwen3_next",
         "qwen3_5": "qwen3_5",
         "qwen3_5_text": "qwen3_5",
