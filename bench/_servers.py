@@ -44,7 +44,9 @@ def _gateway_spec(name: str, alias: str, port: int) -> ServerSpec:
     if name == "gateway-nocache":
         cmd += ["--prefix-cache-bytes", "0"]
         note = "f32 + BLAS, --prefix-cache-bytes 0"
-    return ServerSpec(name, note, tuple(cmd), alias, "/health")
+    from gateway.cli.launch.server import requested_id  # a path is served by its name
+
+    return ServerSpec(name, note, tuple(cmd), requested_id(alias), "/health")
 
 
 def _mlx_spec(folder: Path, port: int, n_requests: int, extra: Sequence[str] = ()) -> ServerSpec:
