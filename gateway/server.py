@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -147,11 +148,21 @@ def startup_error(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
+MakeServer = Callable[[uvicorn.Config, Starlette, float], DrainingServer]
+
+
 def run_server(
-    app: Starlette, *, host: str, port: int, log_level: str, grace: float = DEFAULT_GRACE_S
+    app: Starlette,
+    *,
+    host: str,
+    port: int,
+    log_level: str,
+    grace: float = DEFAULT_GRACE_S,
+    server: MakeServer = DrainingServer,
 ) -> int:
-    """Serve until a signal, drained as above; the process's exit status. A startup
-    that fails (the default model does not load) is a CliError."""
+    """Serve until a signal, drained as above (by `server`'s rules: a DrainingServer,
+    or one that takes its signals otherwise); the process's exit status. A startup that
+    fails (the default model does not load) is a CliError."""
     guard = StartupGuard(app)
     settings: ServerSettings = app.state.settings
     config = uvicorn.Config(
@@ -163,7 +174,7 @@ def run_server(
         http=head_deadline_protocol(settings.head_timeout_seconds),
     )
     try:
-        DrainingServer(config, app, grace).run()
+        server(config, app, grace).run()
     except SystemExit:  # uvicorn's exit after a failed startup
         if guard.failure is None:
             raise

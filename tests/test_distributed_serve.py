@@ -9,9 +9,13 @@ replayed, the engine's halt).
   give the single-process server's messages and token counts, cached tokens included,
   tensor and pipeline parallel.
 - Rank 1 frozen (SIGSTOP) mid-generation: the clients get 503s within seconds, rank 0
-  stays up and /health says why. Rank 1 killed (SIGKILL) mid-generation: 503s within
-  seconds; mlx.launch then stops rank 0 (it ends every rank once one fails), which
-  leaves saying why.
+  stays up and /health says why; a hangup (what a rank 0 started over ssh gets first
+  from mlx.launch's teardown) and then the launcher's SIGTERM leave it up. Rank 1 killed
+  (SIGKILL) mid-generation: 503s within seconds; mlx.launch then SIGTERMs rank 0 (it
+  ends every rank once one fails), which stays up all the same, answering 503s and
+  /health that say why, its log moved to a file, until a second SIGTERM ends it.
+- A healthy group stopped (SIGTERM to rank 0, or Ctrl-C to the launcher's process
+  group) drains and ends, as a single server does.
 
 The tiny random model has 2 layers and 4 heads over 2 KV heads, so it splits over two
 ranks either way. Bounds on time are generous (a shared 2-core machine): the group's
@@ -59,6 +63,7 @@ REPO = Path(__file__).resolve().parent.parent
 START_S = 240.0  # a group's start: two processes import, load and build on 2 busy cores
 FAIL_S = 30.0  # a lost rank to a client's 503 (the group's timeout is 3 s)
 EXIT_S = 90.0  # a stopped rank 0 to the launcher's exit
+LINGER_S = 30.0  # the launcher's SIGTERM to a broken group's rank 0 saying it stays up
 LONG = 20_000  # tokens: far beyond any wait here
 SETTINGS = EngineSettings(max_batch=4)
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 128, 2
@@ -133,6 +138,7 @@ def split_model(qwen3_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFact
 class Group:
     url: str
     process: subprocess.Popen[bytes]
+    log: Path  # where rank 0 logs once it stays up after the group was lost
     lines: list[str] = field(default_factory=list)
 
     @property
@@ -153,6 +159,16 @@ class Group:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"the group did not end:\n{self.output}") from None
 
+    def logged(self, text: str) -> str:
+        """Rank 0's log file once it holds `text` (within LINGER_S)."""
+        deadline = time.monotonic() + LINGER_S
+        while time.monotonic() < deadline:
+            found = self.log.read_text() if self.log.exists() else ""
+            if text in found:
+                return found
+            time.sleep(0.1)
+        raise AssertionError(f"rank 0 never logged {text!r} to {self.log}:\n{self.output}")
+
 
 def _ring_ports() -> int:
     """A first port whose successor is free too (rank r listens on first + r)."""
@@ -168,8 +184,9 @@ def _ring_ports() -> int:
 
 
 @contextmanager
-def launched(model: Path, mode: str) -> Iterator[Group]:
-    """Two ranks under mlx.launch serving `model`; every process is killed at the end."""
+def launched(model: Path, mode: str, home: Path) -> Iterator[Group]:
+    """Two ranks under mlx.launch serving `model` (MLX_GATEWAY_HOME `home`); every
+    process is killed at the end."""
     port = free_port()
     command = [
         str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_ring_ports()),
@@ -181,12 +198,14 @@ def launched(model: Path, mode: str) -> Iterator[Group]:
     process = subprocess.Popen(
         command,
         cwd=REPO,
+        env={**os.environ, "MLX_GATEWAY_HOME": str(home)},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        start_new_session=True,
+        start_new_session=True,  # the ranks share the launcher's process group
     )
-    group = Group(f"http://127.0.0.1:{port}", process)
+    log = home / "logs" / f"distributed-rank0-{port}.log"
+    group = Group(f"http://127.0.0.1:{port}", process, log)
 
     def read() -> None:
         assert process.stdout is not None
@@ -198,7 +217,7 @@ def launched(model: Path, mode: str) -> Iterator[Group]:
         _wait_ready(group)
         yield group
     finally:
-        with suppress(ProcessLookupError):
+        with suppress(ProcessLookupError):  # a lingering rank 0 included
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(30)
 
@@ -300,40 +319,111 @@ def _lose_rank_1(group: Group, sig: signal.Signals) -> str:
     return str(err["message"])
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _failed_for_good(group: Group, what: str) -> None:
+    """Rank 0 refuses work and says why (`what`, and how to mend it) on /health and in a
+    chat's 503; /v1/models still answers."""
+    health = group.health()
+    assert health.status_code == 503 and int(health.headers["retry-after"]) >= 1
+    body = health.json()
+    assert body["state"] == "engine_failed" and body["live"] and not body["ready"]
+    assert what in body["last_engine_failure"]
+    assert "restart the group with mlx.launch" in body["last_engine_failure"]
+    refused = error_of(post(group.url, CHAT, _body(_user("hi"))), 503)
+    assert refused["code"] == "engine_failed"
+    assert what in refused["message"] and "restart the group with mlx.launch" in refused["message"]
+    models = httpx.get(f"{group.url}/v1/models", timeout=30)
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
+
+
+def _stop_lingering(group: Group, rank_0: int) -> None:
+    """A SIGTERM after the launcher's ends the lingering rank 0 promptly, status 1; the
+    launcher then ends, passing on the line rank 0 wrote before its log moved."""
+    started = time.monotonic()
+    os.kill(rank_0, signal.SIGTERM)
+    group.wait_exit()
+    assert time.monotonic() - started < FAIL_S
+    assert not _alive(rank_0)
+    assert "Node with rank 0 exited with code 1" in group.output
+    assert f"its log is now {group.log}" in group.output
+    assert "SIGTERM: leaving (the distributed group was lost" in group.log.read_text()
+
+
 def test_tensor_parallel_serves_as_one_process_and_a_frozen_rank_gives_503s(
-    split_model: Path, single: list[dict[str, Any]]
+    split_model: Path, single: list[dict[str, Any]], tmp_path: Path
 ) -> None:
-    with launched(split_model, "tensor") as group:
+    with launched(split_model, "tensor", tmp_path) as group:
         got = _chats(group.url)
         assert got == single
         assert got[-1]["cached"] > 0  # the continued conversation reused its prefix
 
         why = _lose_rank_1(group, signal.SIGSTOP)
-        assert "did not answer" in why
+        assert "rank 1 did not answer" in why
         time.sleep(2)  # rank 0 stays up, refusing work and saying why
-        health = group.health()
-        assert health.status_code == 503 and int(health.headers["retry-after"]) >= 1
-        body = health.json()
-        assert body["state"] == "engine_failed" and body["live"] and not body["ready"]
-        assert "did not answer" in body["last_engine_failure"]
-        refused = error_of(post(group.url, CHAT, _body(_user("hi"))), 503)
-        assert "did not answer" in refused["message"]
+        _failed_for_good(group, "rank 1 did not answer")
 
-        os.kill(group.pid(1), signal.SIGKILL)  # now mlx.launch ends rank 0 too
-        group.wait_exit()
-        assert "leaving: the distributed group was lost" in group.output
+        # mlx.launch's teardown as a rank 0 started over ssh sees it: its session's
+        # hangup, then the launcher's SIGTERM (once rank 1 exits); neither ends it
+        rank_0 = group.pid(0)
+        os.kill(rank_0, signal.SIGHUP)
+        group.logged("SIGHUP after the distributed group was lost")
+        os.kill(group.pid(1), signal.SIGKILL)
+        group.logged("SIGTERM: staying up")
+        assert _alive(rank_0) and group.process.poll() is None
+        _failed_for_good(group, "rank 1 did not answer")
+        _stop_lingering(group, rank_0)
 
 
 def test_pipeline_parallel_serves_as_one_process_and_a_killed_rank_gives_503s(
-    split_model: Path, single: list[dict[str, Any]]
+    split_model: Path, single: list[dict[str, Any]], tmp_path: Path
 ) -> None:
-    with launched(split_model, "pipeline") as group:
+    with launched(split_model, "pipeline", tmp_path) as group:
         got = _chats(group.url)
         assert got == single
 
-        _lose_rank_1(group, signal.SIGKILL)
+        rank_0 = group.pid(0)
+        why = _lose_rank_1(group, signal.SIGKILL)
+        assert "rank 1" in why and "restart the group with mlx.launch" in why
+        # mlx.launch SIGTERMs rank 0 once rank 1 exited; rank 0 stays up, its log moved
+        # off the launcher's pipe (which the launcher no longer reads: it waits for it)
+        log = group.logged("SIGTERM after the distributed group was lost")
+        assert "rank 1" in log and "restart the group with mlx.launch" in log
+        assert "Node with rank 1 exited" in group.output
+        time.sleep(1)
+        assert _alive(rank_0) and group.process.poll() is None
+        _failed_for_good(group, "rank 1")
+        _stop_lingering(group, rank_0)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_healthy_group_stopped_drains_and_ends(
+    split_model: Path, tmp_path: Path, sig: signal.Signals
+) -> None:
+    """As a single server: the running generation finishes, then every rank leaves.
+    SIGTERM to rank 0 (a `kill`); SIGINT to every rank (a terminal's Ctrl-C reaches them
+    all; not the launcher here, whose own Ctrl-C handling can deadlock its threads)."""
+    with launched(split_model, "tensor", tmp_path) as group:
+        pids = group.pid(0), group.pid(1)
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(stream, group.url, CHAT, _body(_user("A story."), 40))
+            _running(group, 1)
+            for pid in pids if sig == signal.SIGINT else pids[:1]:
+                os.kill(pid, sig)
+            sse = running.result()
+        assert sse.status == 200 and sse.done and not sse.errors
+        assert chat_chunks(sse)[-1].choices[0].finish_reason in ("length", "stop")
         group.wait_exit()
-        assert "leaving: the distributed group was lost" in group.output
+        assert not any(_alive(pid) for pid in pids)
+        assert not group.log.exists()  # it never stayed up
+        assert f"{sig.name}: draining" in group.output, group.output
+        assert "exited with code" not in group.output, group.output  # every rank: 0
 
 
 # -- the pieces, in this process --------------------------------------------------------

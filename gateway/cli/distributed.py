@@ -16,7 +16,9 @@ apply): several --model, or a --config listing several, is an error. The runner
 settings (--max-batch, --prefill-chunk, the cache budgets) are rank 0's; the prefix
 cache's disk tier is not available. When the group loses a rank, rank 0's engine stops
 for good: requests get 503s that say why, so does /health, and the process stays up
-until it is stopped (mlx.launch stops it when a rank exits with an error).
+until it is stopped. It stays up past mlx.launch's SIGTERM too (the launcher sends one
+to every rank once a rank exits with an error), logging to a file from then on: a
+SIGINT or a second SIGTERM ends it (gateway/cli/distributed_stop.py).
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def serve_distributed(
         code = _lead(args, settings, server, cfg, path, cfg.id or default_id, loaded, channel)
     else:
         code = _follow(args, settings, loaded, channel)
-    _leave(code)
+    leave(code)
 
 
 def _one_model(args: argparse.Namespace, configs: Sequence[ModelConfig]) -> ModelConfig:
@@ -176,6 +178,7 @@ def _lead(
 ) -> int:
     """Rank 0: the HTTP server, its engine leading the group."""
     from gateway.app import create_app
+    from gateway.cli.distributed_stop import GroupServer
     from gateway.cli.main import bind_warning, client_url
     from gateway.core.model_memory import default_memory_budget
     from gateway.core.serving import build_served
@@ -203,7 +206,11 @@ def _lead(
     )  # fmt: skip
     runner = served.runner
     assert isinstance(runner, LockstepRunner)
-    runner.on_lost = served.engine.halt  # a lost group: every request a 503, for good
+
+    def lost(why: str) -> None:  # every request a 503, for good
+        served.engine.halt(f"{why}; restart the group with mlx.launch")
+
+    runner.on_lost = lost
     served.caps = dataclasses.replace(served.caps, vision=False)  # text only, for now
     if cfg.sampling:
         served.sampling_defaults = {**served.sampling_defaults, **cfg.sampling}
@@ -227,6 +234,7 @@ def _lead(
             port=args.port,
             log_level=args.log_level.lower(),
             grace=args.shutdown_grace,
+            server=lambda config, app, grace: GroupServer(config, app, grace, runner),
         )
     except BaseException as exc:
         runner.shutdown(f"rank 0's server failed: {type(exc).__name__}: {exc}")
@@ -254,7 +262,7 @@ def _group_registry(served: ServedModel, runner: LockstepRunner) -> ModelRegistr
                 signal.alarm(0)
             if runner.lost is not None:
                 log.error("leaving: the distributed group was lost (%s)", runner.lost)
-                _leave(FAILED)
+                leave(FAILED)
 
     return GroupRegistry.serving(served, lambda: served)
 
@@ -291,7 +299,7 @@ def _patient_signals() -> None:
         signal.signal(sig, handle)
 
 
-def _leave(code: int) -> NoReturn:
+def leave(code: int) -> NoReturn:
     """End the process without the interpreter's teardown: a peer that was lost can
     leave an MLX call blocked in another thread, which the teardown would wait on (or
     abort over)."""

@@ -320,7 +320,7 @@ class LockstepRunner(Lockstep):
         try:
             heard = self.channel.send(message, self.digest, held)
         except Exception as exc:
-            self._lose(f"a rank left the group during {what} ({exc})")
+            self._lose(f"{self._peer} left the group during {what} ({exc})")
             raise GroupLost(self.lost or str(exc)) from exc
         self._check(heard, what)
         self.digest = self.state_digest()  # what the followers report next time
@@ -360,9 +360,14 @@ class LockstepRunner(Lockstep):
 
     def _expired(self, what: str, bound: float) -> None:
         self._lose(
-            f"the distributed group did not answer within {bound:.0f} s ({what}): a rank is "
-            "frozen, unreachable or gone"
+            f"{self._peer} did not answer within {bound:.0f} s ({what}): frozen, "
+            "unreachable or gone"
         )
+
+    @property
+    def _peer(self) -> str:
+        """Who failed, as far as rank 0 can tell: in a group of two, the other rank."""
+        return "rank 1" if self.channel.size == 2 else "a rank"
 
     def _lose(self, why: str) -> None:
         with self._lost_lock:
