@@ -185,8 +185,8 @@ class PrefixCache(TrieEviction, Generic[C]):
             return
         if not 0 < offset <= len(lease.tokens):
             raise ValueError(f"snapshot offset {offset} outside the prompt")
-        if any(c.offset != offset for c in self._caches):
-            raise ValueError(f"caches are not all at offset {offset}")
+        if any(c.offset != offset and not _kept(c, offset) for c in self._caches):
+            raise ValueError(f"caches are not all at offset {offset}, nor kept it")
         frontier = self._path[-1]
         if offset <= frontier.end:
             return
@@ -412,7 +412,10 @@ class PrefixCache(TrieEviction, Generic[C]):
         for i, cache in enumerate(self._caches):
             if cache.rewindable or node.snapshot(i) is not None:
                 continue
-            snap = cache.snapshot(node.start)
+            if cache.offset == node.end:
+                snap = cache.snapshot(node.start)
+            else:  # passed on the way (`_kept`): the state the chunk kept there
+                snap = cache.snapshot(node.start, at=node.end)  # type: ignore[call-arg]
             if snap is not None:
                 self._trie.set_snapshot(node, i, snap)
 
@@ -572,6 +575,15 @@ class PrefixCache(TrieEviction, Generic[C]):
 # restore points at message starts, the latest first: an agent edits the end of its
 # conversation (the last user turn's reminders), rarely its first messages
 MAX_BOUNDARIES = 16
+
+
+def _kept(cache: object, offset: int) -> bool:
+    """Whether `cache` went past `offset` in its last chunk and can still give its state
+    there: rewinding caches can, recurrent ones when asked to keep it (`capture`)."""
+    if getattr(cache, "rewindable", False):
+        return getattr(cache, "offset", -1) > offset
+    return offset in getattr(cache, "captured", {})
+
 
 _COUNTS = (
     "requests",

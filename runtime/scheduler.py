@@ -40,6 +40,7 @@ from runtime.generate import CausalLM, _read, _sample_arrays
 from runtime.models.base import fusable
 from runtime.prefix_cache import Key, Lease, PrefixCache
 from runtime.prefix_loan import RowState
+from runtime.prompt_prefill import PromptPrefill
 from runtime.sampling import Sampler, SampleResult
 from runtime.sequence import SequenceOutput
 from runtime.types import Finished, FinishReason, GenerationStats
@@ -79,59 +80,6 @@ class SchedulerStats:
     max_batch_seen: int = 0
 
 
-class _Prefill:
-    """A prompt read into its caches in chunks, pausing at the trie's snapshot points."""
-
-    def __init__(
-        self, lease: Lease[Any], prompt: Sequence[int], images: PromptImages | None = None
-    ) -> None:
-        self.lease = lease
-        self.caches = lease.caches
-        self.rest = list(prompt[lease.reused : -1])  # the last token starts decoding
-        self.offset = lease.reused
-        self.marks = [p for p in lease.snapshot_points if p > self.offset]
-        self.images = images  # a chunk never ends inside an image's span
-        if images is not None:
-            self.marks = images.marks(self.marks)
-
-    @property
-    def done(self) -> bool:
-        return not self.rest
-
-    def plan(self, n: int, on_pause: Callable[[int], None]) -> int:
-        """How many of up to `n` tokens the next chunk takes: it stops at a snapshot
-        point (pausing first at one it stands on) and never cuts an image's span."""
-        if self.marks and self.marks[0] == self.offset:
-            on_pause(self.marks.pop(0))
-        n = min(n, len(self.rest))
-        if self.marks:
-            n = min(n, self.marks[0] - self.offset)
-        if n > 0 and self.images is not None:
-            n = self.images.chunk(self.offset, n)
-        return max(n, 0)
-
-    def advance(self, n: int, on_pause: Callable[[int], None]) -> None:
-        """`n` planned tokens went through the model."""
-        self.rest = self.rest[n:]
-        self.offset += n
-        if self.done and self.marks and self.marks[0] == self.offset:
-            on_pause(self.marks.pop(0))
-
-    def run(self, model: CausalLM, n: int, on_pause: Callable[[int], None]) -> int:
-        """Feed up to `n` tokens in a forward of their own; return how many ran."""
-        n = self.plan(n, on_pause)
-        if n <= 0:
-            return 0
-        if self.images is None:
-            model.forward(mx.array(self.rest[:n], dtype=mx.int32)[None], self.caches)
-        else:
-            self.images.forward(self.rest[:n], self.caches, self.offset)
-        mx.eval([a for c in self.caches for a in c.state])
-        mx.clear_cache()
-        self.advance(n, on_pause)
-        return n
-
-
 @dataclass(eq=False)
 class _Seq:
     handle: RequestHandle
@@ -139,7 +87,7 @@ class _Seq:
     sampler: Sampler
     matcher: TokenMatcher | None
     start: float
-    prefill: _Prefill | None = None
+    prefill: PromptPrefill | None = None
     caches: list[Any] | None = None  # its own caches, when the model's cannot batch
     input: mx.array | None = None  # (1,) the token the next step feeds
     unread: SampleResult | None = None  # sampled on the device, not yet read
@@ -284,7 +232,7 @@ class Scheduler:
         """Every row in `rows` sampled its next token (`unread`, not yet read). Lockstep
         ranks replace it with rank 0's; a single process keeps its own."""
 
-    def _forward(self, rider: _Prefill | None = None, chunk: int = 0) -> list[mx.array]:
+    def _forward(self, rider: PromptPrefill | None = None, chunk: int = 0) -> list[mx.array]:
         """Queue one step's logits for every row: one (1, V) array per row; with a
         `rider`, its next `chunk` prompt tokens go through the same forward."""
         inputs = [r.input for r in self._rows]
@@ -461,7 +409,7 @@ class Scheduler:
         lease = self.prefix.begin(keys, pin=req.pin, boundaries=req.boundaries)
         self._on_begin(lease)
         seq.out.progress.reused = lease.reused
-        seq.prefill = _Prefill(lease, req.prompt_tokens, seq.images)
+        seq.prefill = PromptPrefill(lease, req.prompt_tokens, seq.images)
         self.trie_changed = True
 
     def _end_prefill(self, seq: _Seq) -> None:

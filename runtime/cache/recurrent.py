@@ -46,6 +46,10 @@ class RecurrentCache:
         self.conv_state: mx.array | None = None
         self.recurrent_state: mx.array | None = None
         self._offset = 0
+        # offsets inside the next chunk whose states the layer keeps on its way through
+        # (`capture`): restore points without cutting a prefill into forwards of its own
+        self.wanted: tuple[int, ...] = ()
+        self.captured: dict[int, tuple[mx.array, mx.array]] = {}
 
     @property
     def offset(self) -> int:
@@ -56,6 +60,14 @@ class RecurrentCache:
         self.conv_state = conv_state
         self.recurrent_state = recurrent_state
         self._offset += length
+
+    def capture(self, offsets: tuple[int, ...]) -> None:
+        """Keep the states at these absolute offsets during the next chunk (the layer
+        calls `keep`); what an earlier chunk kept is dropped."""
+        self.wanted, self.captured = offsets, {}
+
+    def keep(self, offset: int, conv_state: mx.array, recurrent_state: mx.array) -> None:
+        self.captured[offset] = (conv_state, recurrent_state)
 
     @property
     def state(self) -> list[mx.array]:
@@ -76,8 +88,15 @@ class RecurrentCache:
     def trim(self, n: int) -> int:
         return 0  # folded-in tokens cannot be taken out
 
-    def snapshot(self, from_offset: int) -> RecurrentSnapshot | None:
-        """The whole state (`from_offset` does not apply: the state is not positional)."""
+    def snapshot(self, from_offset: int, at: int | None = None) -> RecurrentSnapshot | None:
+        """The whole state (`from_offset` does not apply: the state is not positional),
+        now or, with `at`, as a chunk kept it at that offset (None if it did not)."""
+        if at is not None and at != self._offset:
+            kept = self.captured.get(at)
+            if kept is None:
+                return None
+            conv, rec = copy_arrays(*kept)
+            return RecurrentSnapshot(conv, rec, at)
         if self._offset == 0 or self.conv_state is None or self.recurrent_state is None:
             return None
         conv, rec = copy_arrays(self.conv_state, self.recurrent_state)
@@ -98,6 +117,7 @@ class RecurrentCache:
             snapshot.conv_state, snapshot.recurrent_state
         )
         self._offset = snapshot.end
+        self.wanted, self.captured = (), {}
         return True
 
     def merge(self, parent: Snapshot | None, child: Snapshot | None) -> Snapshot | None:
@@ -112,3 +132,4 @@ class RecurrentCache:
     def free(self) -> None:
         self.conv_state = self.recurrent_state = None
         self._offset = 0
+        self.wanted, self.captured = (), {}

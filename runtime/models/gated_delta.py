@@ -16,6 +16,7 @@ states live in a RecurrentCache, which the prefix cache snapshots (it cannot rew
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -256,15 +257,21 @@ class GatedDeltaNet(Module):
         self.norm = GatedRMSNorm(dims.head_v_dim, dims.norm_eps)
         self.out_proj = Linear(dims.value_dim, hidden, bias=False)
 
-    def _qkv(self, x: mx.array, cache: RecurrentState) -> tuple[mx.array, ...]:
+    def _qkv(
+        self, x: mx.array, cache: RecurrentState, cuts: Sequence[int] = ()
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array, list[mx.array]]:
         """Queries and keys (unit norm, queries scaled, one per value head) and values,
-        all (B, Hv, L, D) in float32, and the new conv tail; the cache is not touched."""
+        all (B, Hv, L, D) in float32, the new conv tail, and the conv tails after each of
+        the chunk's first `cuts` tokens; the cache is not touched."""
         d = self.dims
         batch, length, _ = x.shape
         tail = cache.conv_state
         if tail is None:
             tail = mx.zeros((batch, d.conv_kernel - 1, d.conv_dim), dtype=x.dtype)
-        mixed, tail = causal_conv(self.in_proj_qkv(x), tail, self.conv1d.weight)
+        proj = self.in_proj_qkv(x)
+        seen = mx.concatenate([tail.astype(proj.dtype), proj], axis=1) if cuts else proj
+        tails = [mx.contiguous(seen[:, b : b + d.conv_kernel - 1]) for b in cuts]
+        mixed, tail = causal_conv(proj, tail, self.conv1d.weight)
         mixed = silu(mixed).astype(mx.float32)
         q, k, v = mx.split(mixed, [d.key_dim, 2 * d.key_dim], axis=-1)
         q = l2_normalize(q.reshape(batch, length, d.num_k_heads, d.head_k_dim))
@@ -275,21 +282,51 @@ class GatedDeltaNet(Module):
             q, k = mx.repeat(q, group, axis=2), mx.repeat(k, group, axis=2)
         v = v.reshape(batch, length, d.num_v_heads, d.head_v_dim)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        return q, k, v, tail
+        return q, k, v, tail, tails
 
     def __call__(self, x: mx.array, cache: RecurrentState) -> mx.array:
         d = self.dims
         batch, length, _ = x.shape
-        q, k, v, tail = self._qkv(x, cache)
+        start = getattr(cache, "offset", 0)
+        cuts = sorted({w - start for w in getattr(cache, "wanted", ()) if 0 < w - start < length})
+        q, k, v, tail, tails = self._qkv(x, cache, cuts)
         beta = mx.sigmoid(self.in_proj_b(x).astype(mx.float32)).transpose(0, 2, 1)
         a = self.in_proj_a(x).astype(mx.float32) + self.dt_bias.astype(mx.float32)
         g = (-mx.exp(self.A_log.astype(mx.float32)) * softplus(a)).transpose(0, 2, 1)
         state = cache.recurrent_state
         if state is None:
             state = mx.zeros((batch, d.num_v_heads, d.head_k_dim, d.head_v_dim), mx.float32)
-        out, state = gated_delta_rule(q, k, v, g, beta, state, self.chunk)
+        if cuts:
+            out, state = self._kept_on_the_way(q, k, v, g, beta, state, cuts, tails, cache)
+        else:
+            out, state = gated_delta_rule(q, k, v, g, beta, state, self.chunk)
         cache.update(tail, state, length)
         out = out.transpose(0, 2, 1, 3).astype(x.dtype)  # (B, L, Hv, Dv)
         z = self.in_proj_z(x).reshape(batch, length, d.num_v_heads, d.head_v_dim)
         out = self.norm(out, z)
         return self.out_proj(out.reshape(batch, length, d.value_dim))
+
+    def _kept_on_the_way(
+        self,
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        g: mx.array,
+        beta: mx.array,
+        state: mx.array,
+        cuts: Sequence[int],
+        tails: Sequence[mx.array],
+        cache: RecurrentState,
+    ) -> tuple[mx.array, mx.array]:
+        """The delta rule a piece at a time, handing the cache (`keep`) the state after
+        each of the chunk's first `cuts` tokens: the projections and MLPs of the whole
+        chunk still run as one forward."""
+        start, outs, a = getattr(cache, "offset", 0), [], 0
+        for b, conv in zip([*cuts, q.shape[2]], [*tails, None], strict=True):
+            qs, ks, vs, gs, bs = (t[:, :, a:b] for t in (q, k, v, g, beta))
+            out, state = gated_delta_rule(qs, ks, vs, gs, bs, state, self.chunk)
+            outs.append(out)
+            if conv is not None:
+                cache.keep(start + b, conv, state)  # type: ignore[attr-defined]
+            a = b
+        return mx.concatenate(outs, axis=2), state
