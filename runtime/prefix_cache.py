@@ -412,10 +412,9 @@ class PrefixCache(TrieEviction, Generic[C]):
         for i, cache in enumerate(self._caches):
             if cache.rewindable or node.snapshot(i) is not None:
                 continue
-            if cache.offset == node.end:
-                snap = cache.snapshot(node.start)
-            else:  # passed on the way (`_kept`): the state the chunk kept there
-                snap = cache.snapshot(node.start, at=node.end)  # type: ignore[call-arg]
+            # passed on the way (`_kept`): the state the chunk kept there
+            at = {} if cache.offset == node.end else {"at": node.end}
+            snap = cache.snapshot(node.start, **at)
             if snap is not None:
                 self._trie.set_snapshot(node, i, snap)
 
@@ -578,25 +577,15 @@ MAX_BOUNDARIES = 16
 
 
 def _kept(cache: object, offset: int) -> bool:
-    """Whether `cache` went past `offset` in its last chunk and can still give its state
-    there: rewinding caches can, recurrent ones when asked to keep it (`capture`)."""
+    """Whether `cache` went past `offset` and can give its state there: a rewinding cache
+    can, a recurrent one when its last chunk kept it (`capture`)."""
     if getattr(cache, "rewindable", False):
         return getattr(cache, "offset", -1) > offset
     return offset in getattr(cache, "captured", {})
 
 
-_COUNTS = (
-    "requests",
-    "hits",
-    "prompt_tokens",
-    "reused_tokens",
-    "page_outs",
-    "evictions",
-    "pinned_evictions",
-    "restore_failures",
-    "discards",
-    "adopted",
-)
+_COUNTS: tuple[str, ...] = ("requests", "hits", "prompt_tokens", "reused_tokens", "page_outs")
+_COUNTS += ("evictions", "pinned_evictions", "restore_failures", "discards", "adopted")
 
 
 __all__ = ["CacheReport", "ImageKey", "Key", "Lease", "PrefixCache", "PrefixPin", "image_keys"]
