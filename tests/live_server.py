@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -51,3 +52,12 @@ def live_server(
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id still exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

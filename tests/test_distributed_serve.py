@@ -52,7 +52,7 @@ from runtime.distributed.channel import Channel, Command, Round
 from runtime.distributed.replica import GroupMemory, LockstepPrefixCache
 from runtime.engine import Engine, EngineFailure, EngineState, EngineUnavailable, RequestHandle
 from runtime.types import Finished, FinishReason, GenerationRequest, TextDelta
-from tests.live_server import free_port, live_server
+from tests.live_server import free_port, live_server, pid_alive
 from tests.openai_checks import chat_body, chat_chunks, error_of, post, stream
 from tests.recurrent_model import FULL, RECURRENT, SLIDING, HybridModel
 
@@ -319,14 +319,6 @@ def _lose_rank_1(group: Group, sig: signal.Signals) -> str:
     return str(err["message"])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _failed_for_good(group: Group, what: str) -> None:
     """Rank 0 refuses work and says why (`what`, and how to mend it) on /health and in a
     chat's 503; /v1/models still answers."""
@@ -350,7 +342,7 @@ def _stop_lingering(group: Group, rank_0: int) -> None:
     os.kill(rank_0, signal.SIGTERM)
     group.wait_exit()
     assert time.monotonic() - started < FAIL_S
-    assert not _alive(rank_0)
+    assert not pid_alive(rank_0)
     assert "Node with rank 0 exited with code 1" in group.output
     assert f"its log is now {group.log}" in group.output
     assert "SIGTERM: leaving (the distributed group was lost" in group.log.read_text()
@@ -376,7 +368,7 @@ def test_tensor_parallel_serves_as_one_process_and_a_frozen_rank_gives_503s(
         group.logged("SIGHUP after the distributed group was lost")
         os.kill(group.pid(1), signal.SIGKILL)
         group.logged("SIGTERM: staying up")
-        assert _alive(rank_0) and group.process.poll() is None
+        assert pid_alive(rank_0) and group.process.poll() is None
         _failed_for_good(group, "rank 1 did not answer")
         _stop_lingering(group, rank_0)
 
@@ -397,7 +389,7 @@ def test_pipeline_parallel_serves_as_one_process_and_a_killed_rank_gives_503s(
         assert "rank 1" in log and "restart the group with mlx.launch" in log
         assert "Node with rank 1 exited" in group.output
         time.sleep(1)
-        assert _alive(rank_0) and group.process.poll() is None
+        assert pid_alive(rank_0) and group.process.poll() is None
         _failed_for_good(group, "rank 1")
         _stop_lingering(group, rank_0)
 
@@ -420,7 +412,7 @@ def test_a_healthy_group_stopped_drains_and_ends(
         assert sse.status == 200 and sse.done and not sse.errors
         assert chat_chunks(sse)[-1].choices[0].finish_reason in ("length", "stop")
         group.wait_exit()
-        assert not any(_alive(pid) for pid in pids)
+        assert not any(pid_alive(pid) for pid in pids)
         assert not group.log.exists()  # it never stayed up
         assert f"{sig.name}: draining" in group.output, group.output
         assert "exited with code" not in group.output, group.output  # every rank: 0

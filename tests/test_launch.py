@@ -31,7 +31,7 @@ from gateway.cli.launch.base import Asker, LaunchError, Target
 from gateway.cli.launch.openclaw import OpenClaw
 from gateway.cli.launch.openclaw import state_path as openclaw_state_path
 from gateway.cli.main import main
-from tests.live_server import free_port
+from tests.live_server import free_port, pid_alive
 
 MODEL = "qwen-test"
 
@@ -734,14 +734,6 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_launch_starts_the_gateway_and_stops_it_after_the_client(
     scratch: Scratch,
     monkeypatch: pytest.MonkeyPatch,
@@ -759,7 +751,7 @@ def test_launch_starts_the_gateway_and_stops_it_after_the_client(
     assert got["argv"] == ["--model", tiny_qwen3_dir.name, "-p", "hi"]
     assert got["env"]["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "65536"
     pid = int(err.split("stopped the gateway launch started (pid ")[1].split(")")[0])
-    assert not _alive(pid) and not _port_open(port)
+    assert not pid_alive(pid) and not _port_open(port)
     log = scratch.gw_home / "logs" / f"serve-{port}.log"
     assert "Uvicorn running" in log.read_text()
 
