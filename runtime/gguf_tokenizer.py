@@ -7,6 +7,7 @@ Two vocabulary kinds matter (``tokenizer.ggml.model``):
   the split is chosen by ``tokenizer.ggml.pre`` (llama.cpp's names) and mirrors the
   original ``tokenizer.json`` of that family: one or several regex splits, maybe a
   one-digit-per-piece split, then the byte alphabet (Qwen2 also normalizes to NFC).
+  An unknown name is refused, as llama.cpp does: another split gives other ids.
 - ``llama``: SentencePiece BPE (Llama 2, Mistral, Gemma). The file has tokens and
   scores but no merges; SentencePiece merges the adjacent pair whose joined piece ranks
   best, so merges are derived as "every split of a piece into two pieces", ranked by the
@@ -21,7 +22,6 @@ user-defined ones become plain added tokens (matched whole, shown).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +29,6 @@ from typing import Any
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-
-log = logging.getLogger(__name__)
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -89,6 +87,18 @@ _DEEPSEEK_V3_SPLIT = (
     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Kimi-K2 (tiktoken, tokenization_kimi.py): gpt-4o's letter runs, but runs of Han
+# ideographs stand alone: `&&` is class intersection (Oniguruma has it, as tiktoken's
+# regex engine does).
+_KIMI_K2_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_KIMI_K2_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_KIMI_K2_SPLIT = (
+    r"[\p{Han}]+"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_KIMI_K2_UPPER}*{_KIMI_K2_LOWER}+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_KIMI_K2_UPPER}+{_KIMI_K2_LOWER}*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 @dataclass(frozen=True)
 class _PreTokenizer:
@@ -125,6 +135,8 @@ _DEEPSEEK_CODER = _PreTokenizer(
 _DEEPSEEK_V3 = _PreTokenizer(splits=(r"\p{N}{1,3}", f"[{_DEEPSEEK_V3_CJK}]+", _DEEPSEEK_V3_SPLIT))
 # GLM-4's tokenizer is tiktoken with cl100k's pattern: Llama 3's split, whole pieces first.
 _GLM4 = _LLAMA3
+# Kimi-K2's tokenizer is tiktoken too: whole pieces first.
+_KIMI_K2 = _PreTokenizer(splits=(_KIMI_K2_SPLIT,), ignore_merges=True)
 
 # tokenizer.ggml.pre -> how that family splits text
 _PRE_TOKENIZERS: Mapping[str, _PreTokenizer] = {
@@ -144,6 +156,8 @@ _PRE_TOKENIZERS: Mapping[str, _PreTokenizer] = {
     "deepseek-v3": _DEEPSEEK_V3,
     "glm4": _GLM4,
     "chatglm-bpe": _GLM4,
+    # Kimi-K2 (arch deepseek2, its own tiktoken vocabulary).
+    "kimi-k2": _KIMI_K2,
     # StarCoder-derived vocabularies (SmolLM, StarCoder, Refact) split every digit.
     "smollm": _STARCODER,
     "starcoder": _STARCODER,
@@ -231,8 +245,12 @@ def _byte_level(meta: Mapping[str, Any], tokens: list[str], types: np.ndarray) -
     pre_name = str(meta.get("tokenizer.ggml.pre", "default"))
     pre = _PRE_TOKENIZERS.get(pre_name)
     if pre is None:
-        log.warning("unknown tokenizer.ggml.pre %r: splitting text like GPT-2", pre_name)
-        pre = _GPT2
+        # As llama.cpp does: another split gives other token ids, i.e. a wrong model.
+        raise ValueError(
+            f"GGUF tokenizer.ggml.pre {pre_name!r} is not known here (known: "
+            f"{', '.join(sorted(_PRE_TOKENIZERS))}): this file needs a newer mlx-gateway, "
+            "or serve the model from a folder with its tokenizer.json"
+        )
     model = models.BPE(
         vocab=_first_ids(spelled),
         merges=merges,

@@ -1,22 +1,25 @@
-"""GGUF byte-level tokenizers of the DeepSeek and GLM families split text as the models'
-own tokenizer.json files do.
+"""GGUF byte-level tokenizers of the DeepSeek, GLM and Kimi families split text as the
+models' own tokenizers do; an unknown ``tokenizer.ggml.pre`` is refused.
 
 The oracle for each ``tokenizer.ggml.pre`` name is a ``tokenizers.Tokenizer`` loaded from a
 tokenizer.json whose pre_tokenizer section is pasted from the original model's file (non-ASCII
 written as JSON escapes, so no look-alike character can creep in). Both sides share one small
 BPE vocabulary, trained with a coarse split so that it holds merges across digits, letters,
 punctuation and CJK; a wrong split then shows up in the ids as well as in the pieces.
+
+Kimi-K2 ships tiktoken, not a tokenizer.json: its oracle is its split regex applied by the
+``regex`` package with ``V1`` (class intersection ``&&``), then BPE on each piece alone.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import regex
 from gguf import GGUFWriter
 from tokenizers import Regex, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
@@ -111,7 +114,24 @@ ARCH = {
     "deepseek-v3": "deepseek2",
     "glm4": "glm4moe",
     "chatglm-bpe": "chatglm",
+    "kimi-k2": "deepseek2",
 }
+
+# moonshotai/Kimi-K2-Instruct tokenization_kimi.py: pat_str, its alternatives as written.
+KIMI_K2 = "|".join(
+    [
+        r"[\p{Han}]+",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
 
 SPECIAL = "<｜end▁of▁sentence｜>"
 # In the vocabulary with no merge that builds it: only whole-piece lookup (ignore_merges,
@@ -144,6 +164,21 @@ CORPUS = (
     "\n",
 )
 
+# Where Kimi-K2's split differs from gpt-4o's and cl100k's: Han runs beside kana, Latin,
+# marks and digits; case runs; contractions in any case; Han-script Lm / Nl characters.
+KIMI_CORPUS = (
+    "Kimi中文English混合のテキスト、カタカナ漢字とひらがな。abc你好123你好 한국어텍스트",
+    "HelloWorld getHTTPResponse XMLHttpRequest iPhone McDonald's ÉCOLE École ǅungla",
+    "DON'T don't Don'T I'M i'm YOU'RE They'Ve WE'LL he'D IT's 中文's 日本'S x'\n's",
+    "1234567890 12 123 1234 ٣٤٥٦٧ ①②③④ 一二三四 3.14159 x2024年1月1日",
+    "!!!\n\n??? ...\r\n--- ***\n\n\n((x)) 。，！\n 「引用」 ——",
+    "a    b  \n   c   \t\t  \n\n  d\u3000\u3000e   ",
+    "e\u0301cole nai\u0308ve \u03a9\u0301 \u4e2d\u0301\u6587 x\u0308\u0301 \u0301\u0301",
+    "emoji 😀 👍🏽 👩‍👩‍👧‍👦 🇯🇵 ❤️ 中😀文 ab😀cd",
+    "々〇〻 ヶ月 ーー 乄 人々 〇〇年 𠀀𠀁abc 豈更 ⺀⼀",
+    " 中文 中文  中文\n中文",
+)
+
 # Splits words with their leading space only, so the vocabulary learns merges that
 # cross the families' boundaries (digit runs, letter-punctuation, CJK-Latin).
 _TRAIN_SPLIT = r" ?[^\s]+|\s+"
@@ -162,7 +197,7 @@ def _vocabulary() -> tuple[dict[str, int], list[str]]:
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    texts = [text for text in CORPUS if WHOLE not in text]
+    texts = [text for text in (*CORPUS, *KIMI_CORPUS) if WHOLE not in text]
     tok.train_from_iterator([*texts, *texts[:6]], trainer)
     model = json.loads(tok.to_str())["model"]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
@@ -241,20 +276,15 @@ def _pieces(tok: HFTokenizer, text: str) -> list[str]:
 
 @pytest.mark.parametrize("pre", sorted(FAMILIES))
 def test_gguf_splits_and_ids_match_the_original_tokenizer_json(
-    pre: str,
-    vocabulary: tuple[dict[str, int], list[str]],
-    tmp_path: Path,
-    caplog: pytest.LogCaptureFixture,
+    pre: str, vocabulary: tuple[dict[str, int], list[str]], tmp_path: Path
 ) -> None:
     vocab, merges = vocabulary
     spec, ignore_merges = FAMILIES[pre]
     oracle = _oracle(spec, ignore_merges, vocab, merges)
     path = _write_gguf(tmp_path / f"{pre}.gguf", pre, vocab, merges)
     meta = GGUFFile(path).metadata
-    with caplog.at_level(logging.WARNING, logger="runtime.gguf_tokenizer"):
-        hf = build_hf_tokenizer(meta)
-        ours = Tokenizer.from_gguf(meta)
-    assert not caplog.records  # a known name: no GPT-2 fallback
+    hf = build_hf_tokenizer(meta)
+    ours = Tokenizer.from_gguf(meta)
     for text in CORPUS:
         assert _pieces(hf, text.replace(SPECIAL, "")) == _pieces(oracle, text.replace(SPECIAL, ""))
         ids = ours.encode(text, add_special_tokens=False)
@@ -267,7 +297,7 @@ def test_gguf_splits_and_ids_match_the_original_tokenizer_json(
 def test_corpus_tells_each_family_from_gpt2(
     pre: str, vocabulary: tuple[dict[str, int], list[str]]
 ) -> None:
-    """The corpus is hard enough that GPT-2's split, the old fallback, fails on it."""
+    """The corpus is hard enough that GPT-2's split (no tokenizer.ggml.pre) fails on it."""
     vocab, merges = vocabulary
     oracle = _oracle(FAMILIES[pre][0], FAMILIES[pre][1], vocab, merges)
     gpt2 = build_hf_tokenizer(
@@ -276,15 +306,77 @@ def test_corpus_tells_each_family_from_gpt2(
     assert any(_pieces(oracle, t) != _pieces(gpt2, t) for t in CORPUS)
 
 
-def test_unknown_pre_warns_and_splits_like_gpt2(caplog: pytest.LogCaptureFixture) -> None:
+_KIMI_TEXTS = (*KIMI_CORPUS, *(text.replace(SPECIAL, "") for text in CORPUS))
+
+
+def test_kimi_k2_splits_as_tiktoken_does() -> None:
+    """Oniguruma applies the `&&` class intersections as the regex package's V1 does."""
+    hf = build_hf_tokenizer({"tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.pre": "kimi-k2"})
+    spell = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    for text in _KIMI_TEXTS:
+        expected = [
+            spell.pre_tokenize_str(piece)[0][0]
+            for piece in regex.findall(KIMI_K2, text, flags=regex.V1)
+        ]
+        assert _pieces(hf, text) == expected, text
+
+
+def test_kimi_k2_corpus_tells_it_from_gpt2_and_gpt4o() -> None:
+    tokens = {"tokenizer.ggml.tokens": ["a"]}
+    kimi = build_hf_tokenizer({**tokens, "tokenizer.ggml.pre": "kimi-k2"})
+    for other in ("gpt2", "gpt-4o"):
+        hf = build_hf_tokenizer({**tokens, "tokenizer.ggml.pre": other})
+        assert any(_pieces(kimi, t) != _pieces(hf, t) for t in KIMI_CORPUS), other
+
+
+def test_kimi_k2_gguf_encodes_like_tiktoken(
+    vocabulary: tuple[dict[str, int], list[str]], tmp_path: Path
+) -> None:
+    """A byte-level Kimi-K2 GGUF through the loader: each regex piece is BPE-encoded on
+    its own, whole pieces in the vocabulary first, as tiktoken does."""
+    vocab, merges = vocabulary
+    piece_bpe = _oracle(
+        '{"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, '
+        '"use_regex": false}',
+        True,
+        vocab,
+        merges,
+    )
+    path = _write_gguf(tmp_path / "kimi-k2.gguf", "kimi-k2", vocab, merges)
+    ours = Tokenizer.from_gguf(GGUFFile(path))
+    for text in (*_KIMI_TEXTS, f"see\n{WHOLE}"):
+        expected = [
+            i
+            for piece in regex.findall(KIMI_K2, text, flags=regex.V1)
+            for i in piece_bpe.encode(piece).ids
+        ]
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == expected, text
+        assert ours.decode(ids) == text
+    assert vocab[WHOLE] in ours.encode(f"see\n{WHOLE}", add_special_tokens=False)
+
+
+def test_unknown_pre_is_refused() -> None:
+    """Another split gives other ids: a wrong model. llama.cpp refuses the file too."""
     tokens = [chr(c) for c in range(0x21, 0x7F)]
     meta: dict[str, Any] = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.pre": "no-such-pre"}
-    with caplog.at_level(logging.WARNING, logger="runtime.gguf_tokenizer"):
-        unknown = build_hf_tokenizer(meta)
-    assert any("no-such-pre" in r.getMessage() for r in caplog.records)
-    gpt2 = build_hf_tokenizer({**meta, "tokenizer.ggml.pre": "gpt2"})
-    text = "numbers 1234567, don't stop!!\n\n 中文"
-    assert _pieces(unknown, text) == _pieces(gpt2, text)
+    with pytest.raises(ValueError, match="no-such-pre") as excinfo:
+        build_hf_tokenizer(meta)
+    message = str(excinfo.value)
+    assert "kimi-k2" in message and "deepseek-v3" in message  # the known names
+    assert "newer mlx-gateway" in message and "tokenizer.json" in message
+    with pytest.raises(ValueError, match="no-such-pre"):
+        Tokenizer.from_gguf(meta)
+
+
+def test_default_or_missing_pre_splits_like_gpt2() -> None:
+    tokens = [chr(c) for c in range(0x21, 0x7F)]
+    missing = build_hf_tokenizer({"tokenizer.ggml.tokens": tokens})
+    default = build_hf_tokenizer({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.pre": "default"})
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    text = "numbers 1234567, don't stop!!\n\n 中文  "
+    expected = [piece for piece, _ in gpt2.pre_tokenize_str(text)]
+    assert _pieces(missing, text) == _pieces(default, text) == expected
 
 
 @pytest.mark.real_model
