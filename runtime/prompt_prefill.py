@@ -27,10 +27,17 @@ class PromptPrefill:
     """A prompt read into its caches in chunks, pausing at the trie's snapshot points."""
 
     def __init__(
-        self, lease: Lease[Any], prompt: Sequence[int], images: PromptImages | None = None
+        self,
+        lease: Lease[Any],
+        prompt: Sequence[int],
+        images: PromptImages | None = None,
+        keeps: bool | None = None,
     ) -> None:
+        """`keeps`: whether chunks go past snapshot points (`keeps_on_the_way`); None
+        decides from the lease's caches (a distributed group agrees on it instead)."""
         self.lease = lease
         self.caches = lease.caches
+        self.keeps = keeps_on_the_way(self.caches) if keeps is None else keeps
         self.rest = list(prompt[lease.reused : -1])  # the last token starts decoding
         self.offset = lease.reused
         self.marks = [p for p in lease.snapshot_points if p > self.offset]
@@ -63,7 +70,7 @@ class PromptPrefill:
 
     def run(self, model: CausalLM, n: int, on_pause: Callable[[int], None]) -> int:
         """Feed up to `n` tokens in a forward of their own; return how many ran. Where
-        every layer can keep its state on the way (`_keeps_on_the_way`), the snapshot
+        every layer can give its state at a point it went past (`keeps`), the snapshot
         points inside the chunk do not cut it: the layers keep their states there."""
         inside = self._inside(n) if self.images is None else []
         self.marks = [m for m in self.marks if m not in inside]
@@ -95,16 +102,16 @@ class PromptPrefill:
         return n
 
     def _inside(self, n: int) -> list[int]:
-        """The snapshot points strictly inside the next chunk of up to `n` tokens, when
-        every layer either rewinds (plain and latent KV) or keeps states on its way
-        (recurrent); otherwise none, and the chunk stops at the first point."""
-        if not all(isinstance(c, RecurrentCache) or _always_rewinds(c) for c in self.caches):
+        """The snapshot points strictly inside the next chunk of up to `n` tokens, if it
+        `keeps`; otherwise none, and the chunk stops at the first point."""
+        if not self.keeps:
             return []
         end = self.offset + min(n, len(self.rest))
         return [m for m in self.marks if self.offset < m < end]
 
 
-def _always_rewinds(cache: object) -> bool:
-    """A cache that rewinds to any offset it went past: plain and latent KV, not a
-    sliding window's."""
-    return isinstance(cache, KVCache)
+def keeps_on_the_way(caches: Sequence[object]) -> bool:
+    """Whether every layer can give its state at a point a chunk went past: it rewinds
+    there (plain and latent KV, not a sliding window's), or it is recurrent and keeps
+    the states asked for (`RecurrentCache.capture`)."""
+    return all(isinstance(c, (RecurrentCache, KVCache)) for c in caches)

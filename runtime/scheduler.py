@@ -124,6 +124,9 @@ class Scheduler:
         self._on_begin = on_begin  # the runner logs the lease's cache report
         self._batched = batchable(make_caches())
         self._fuse = self._batched and fusable(model)
+        # whether prefill chunks go past snapshot points (prompt_prefill.keeps_on_the_way);
+        # None: each prompt decides from its caches (a distributed group agrees instead)
+        self.keeps_inside: bool | None = None
         self._batch: BatchCaches | None = None
         self._rows: list[_Seq] = []
         self._queue: deque[_Seq] = deque()  # admitted, prompt not yet in
@@ -409,7 +412,7 @@ class Scheduler:
         lease = self.prefix.begin(keys, pin=req.pin, boundaries=req.boundaries)
         self._on_begin(lease)
         seq.out.progress.reused = lease.reused
-        seq.prefill = PromptPrefill(lease, req.prompt_tokens, seq.images)
+        seq.prefill = PromptPrefill(lease, req.prompt_tokens, seq.images, self.keeps_inside)
         self.trie_changed = True
 
     def _end_prefill(self, seq: _Seq) -> None:

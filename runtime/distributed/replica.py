@@ -19,6 +19,7 @@ from runtime.handle import RequestHandle, _ThreadSink
 from runtime.prefix_cache import PrefixCache
 from runtime.prefix_plan import Plan, plan_restore
 from runtime.prefix_trie import Node
+from runtime.prompt_prefill import keeps_on_the_way
 from runtime.sampling import Sampler, SampleResult
 from runtime.scheduler import FUSED_SHARE, Scheduler, _Seq
 from runtime.types import Finished, GenerationEvent, GenerationRequest, SamplingParams
@@ -103,7 +104,8 @@ class LockstepScheduler(Scheduler):
     sampled tokens (`share`, an all_sum over the group). Pipeline stages hold different
     layers, so whether a prefill chunk may ride on a decode step (every layer a token
     cache) and whether every layer rewinds (the trie's snapshot points) are agreed by the
-    group (`agree`) at the first step, when every rank is there."""
+    group (`agree`) at the first step, when every rank is there; so is whether prefill
+    chunks go past snapshot points (every rank's layers keep their states there)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -116,7 +118,8 @@ class LockstepScheduler(Scheduler):
         if self.agree is not None and not self._agreed:
             # before the first admission: the trie's snapshot points depend on it
             trie = cast(LockstepPrefixCache[Any], self.prefix)
-            self._fuse, trie.rewindable = self.agree([self._fuse, trie.own_rewindable()])
+            own = [self._fuse, trie.own_rewindable(), trie.own_keeps()]
+            self._fuse, trie.rewindable, self.keeps_inside = self.agree(own)
             self._agreed = True
         return super().step()
 
@@ -244,6 +247,10 @@ class LockstepPrefixCache(PrefixCache[C]):
     def own_rewindable(self) -> bool:
         """Whether this rank's layers rewind anywhere."""
         return super()._all_rewindable()
+
+    def own_keeps(self) -> bool:
+        """Whether this rank's layers give their states at points a chunk went past."""
+        return keeps_on_the_way(self._caches)
 
     def _all_rewindable(self) -> bool:
         return self.own_rewindable() if self.rewindable is None else self.rewindable
