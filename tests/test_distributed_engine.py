@@ -73,6 +73,8 @@ def test_every_architecture_generates_as_one_process(
     size: int, cases: Path, tmp_path: Path
 ) -> None:
     output = launch_workers(size, WORKER, cases, tmp_path, LAUNCH_TIMEOUT)
+    missing = [r for r in range(size) if not (tmp_path / f"rank{r}.json").exists()]
+    assert not missing, f"ranks {missing} of {size} wrote no report:\n{output[-4000:]}"
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(size)]
     assert [(r["rank"], r["size"]) for r in reports] == [(r, size) for r in range(size)]
     names = sorted(p.name for p in cases.iterdir() if p.is_dir())
