@@ -8,12 +8,23 @@ Every `step()` does two things on the engine thread:
    queued on the device before step N's tokens are read back, so detokenizing, stop
    strings and grammar masks run on the host while the device computes.
 2. One prefill chunk for the sequence at the head of the prefill queue, sized so that
-   the step takes about `PREFILL_SHARE` decode steps (the chunk's token rate is
-   measured as it goes); with nothing decoding, a whole `prefill_chunk`. Where the
-   model allows (every layer attends over a token cache), the chunk rides in the decode
-   step's forward (runtime/cache/ragged.py): the step then takes about `FUSED_SHARE`
-   decode steps, at least `MIN_FUSED_CHUNK` tokens. A chunk run apart pays a weight
-   read of its own, so it takes at least `MIN_PREFILL_CHUNK` tokens. When its prompt is in, the sequence joins the batch.
+   the step takes about `PREFILL_SHARE` decode steps; with nothing decoding, a whole
+   `prefill_chunk`. Where the model allows (every layer attends over a token cache),
+   the chunk rides in the decode step's forward (runtime/cache/ragged.py): the step
+   then takes about `FUSED_SHARE` decode steps, at least `MIN_FUSED_CHUNK` tokens. A
+   chunk run apart pays a weight read of its own, so it takes at least
+   `MIN_PREFILL_CHUNK` tokens. When its prompt is in, the sequence joins the batch.
+
+   The sizes come from two running measurements: a plain decode step's time (the
+   median of the last few, taken only from steps that followed a plain step: one right
+   after prefill work also waits for that work's tail), and the prompt tokens' own rate, each chunk's time less one
+   decode step's (the fixed cost of a forward, mostly reading the weights, which a
+   step pays whatever its chunk). A step then costs about one decode step plus its
+   chunk's tokens at that rate, and a step of `FUSED_SHARE` decode steps is one of
+   FUSED_SHARE - 1 decode steps' worth of prompt tokens. On a CPU the running streams'
+   inter-token latency and the prompt's time to first token trade against each other
+   exactly there: steps of s decode steps give the streams s times their gaps and the
+   prompt s / (s - 1) times its time alone.
 
 The prefix trie (runtime/prefix_cache.py) has one live path, lent to one prefill at a
 time: a new sequence restores its longest cached prefix there, its prompt is recorded
@@ -25,6 +36,7 @@ copied back into the trie between prefills. Sequences join and leave between ste
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -64,7 +76,11 @@ MIN_PREFILL_CHUNK = 64
 # stretch the prompt's time to first token several times over.
 FUSED_SHARE = 3.0
 MIN_FUSED_CHUNK = 32
-_EMA = 0.3  # weight of the newest measurement in the running averages
+# a chunk's time less one decode step is its tokens' own time, but no less than this
+# share of it (a first step measured long, a chunk the decode step estimate outweighs)
+_MIN_OWN_SHARE = 0.25
+_EMA = 0.3  # weight of the newest measurement in the prefill rate's running average
+_PLAIN_STEPS = 9  # plain decode steps the decode step's time is the median of
 
 
 @dataclass
@@ -132,7 +148,12 @@ class Scheduler:
         self._queue: deque[_Seq] = deque()  # admitted, prompt not yet in
         # finished rows' caches and tokens, for the trie (the row: a loan's source)
         self._writebacks: deque[tuple[list[Any], tuple[Key, ...], _Seq]] = deque()
-        self._prefill_rate = 0.0  # tokens/s of recent prefill chunks
+        self._prefill_rate = 0.0  # prompt tokens/s of recent chunks, fixed cost aside
+        self._settled = False  # the last step was a plain decode step, nothing else
+        # the last plain decode steps' times: their median is the decode step's (one slow
+        # step, the engine thread busy elsewhere, must not size every chunk after it)
+        self._plain_steps: deque[float] = deque(maxlen=_PLAIN_STEPS)
+        self.clock: Callable[[], float] = time.perf_counter  # times the steps and chunks
         self.trie_changed = False
         self.stats = SchedulerStats()
 
@@ -162,12 +183,16 @@ class Scheduler:
         self.trie_changed = False
         done: list[tuple[RequestHandle, Finished]] = []
         rider = self._rider()
+        rows = len(self._rows)
         if self._rows:
             done += self._decode_step(rider)
-        if self._queue and rider is None:
+        prefilled = bool(self._queue) and rider is None
+        if prefilled:
             done += self._prefill_step()
         if not self._queue or self._queue[0].prefill is None:
             self._write_back()
+        # the next step's time is a plain decode step's only after one like it
+        self._settled = bool(rows) and rider is None and not prefilled
         self._count()
         self._share_memory()
         return done
@@ -261,7 +286,7 @@ class Scheduler:
         return out
 
     def _decode_step(self, rider: _Seq | None = None) -> list[tuple[RequestHandle, Finished]]:
-        start = time.perf_counter()
+        start = self.clock()
         prefill = None if rider is None else rider.prefill
         chunk = 0
         try:
@@ -291,7 +316,7 @@ class Scheduler:
         done = self._leave(ended)
         s = self.stats
         s.steps += 1
-        took = time.perf_counter() - start
+        took = self.clock() - start
         if chunk and rider is not None and prefill is not None:
             s.fused_steps += 1
             self._measured_chunk(chunk, took)
@@ -302,9 +327,9 @@ class Scheduler:
                 except Exception as exc:
                     log.exception("joining the batch failed")
                     return done + self.abort(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
-        else:
-            plain = s.steps - s.fused_steps
-            s.decode_step_seconds = took if plain == 1 else _avg(s.decode_step_seconds, took)
+        elif self._settled or s.decode_step_seconds <= 0:
+            self._plain_steps.append(took)
+            s.decode_step_seconds = statistics.median(self._plain_steps)
         return done
 
     def _read(self, row: _Seq) -> bool:
@@ -352,7 +377,7 @@ class Scheduler:
             return min(cap, 2 * MIN_PREFILL_CHUNK)
         fused = self._rider() is seq
         share = FUSED_SHARE if fused else PREFILL_SHARE
-        budget = share * step_seconds
+        budget = (share - 1) * step_seconds  # the step's fixed cost is one decode step
         floor = MIN_FUSED_CHUNK if fused else MIN_PREFILL_CHUNK
         return max(min(cap, floor), min(cap, int(prefill_rate * budget)))
 
@@ -370,9 +395,9 @@ class Scheduler:
                 self._end_prefill(seq)
                 return [(seq.handle, self._finished(seq))]
             n = self._chunk(seq)
-            started = time.perf_counter()
+            started = self.clock()
             ran = seq.prefill.run(self.model, n, lambda at: self._pause(seq, at))
-            self._measured_chunk(ran, time.perf_counter() - started)
+            self._measured_chunk(ran, self.clock() - started)
             if seq.prefill.done:
                 return self._join(seq)
         except Exception as exc:
@@ -387,8 +412,10 @@ class Scheduler:
         return []
 
     def _measured_chunk(self, tokens: int, took: float) -> None:
+        """A chunk of `tokens` took `took` seconds, a forward's fixed cost included."""
         if tokens > 0 and took > 0:
-            rate = tokens / took
+            own = max(took - self.stats.decode_step_seconds, _MIN_OWN_SHARE * took)
+            rate = tokens / own
             self._prefill_rate = rate if self._prefill_rate <= 0 else _avg(self._prefill_rate, rate)
             self.stats.prefill_chunk_tokens = tokens
 
