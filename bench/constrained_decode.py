@@ -10,8 +10,14 @@ neighbours); the ratio constrained / free is printed
 differs is only the grammar work: the mask computed on the CPU while the device runs
 the next forward, and the masked sampling.
 
+Then, unless `--batch 0`, the same grammars in the engine's running batch: `--batch`
+concurrent requests through a real Engine, all constrained against all free, the
+batch's aggregate decode rate over its steady part (bench/_batched_constrained.py), so
+that the masks of several rows, computed on the CPU one row after another while the
+device runs the step, are counted too.
+
     python bench/constrained_decode.py [--models tiny smollm2-135m qwen2.5-coder-0.5b]
-                                       [--tokens 128] [--repeats 3]
+                                       [--tokens 128] [--repeats 3] [--batch 4]
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from runtime import backend  # noqa: E402
 
 backend.configure()
 
+from bench._batched_constrained import BatchCase, bench_batched, schema_check, tool_check  # noqa: E402
 from runtime.constraints import GrammarVocabulary, TokenMatcher, json_schema_constraint  # noqa: E402
 from runtime.generate import generate_tokens  # noqa: E402
 from runtime.loader import LoadedModel, load  # noqa: E402
@@ -90,8 +97,8 @@ def _model(name: str, scratch: Path) -> LoadedModel:
     return load(Store().resolve(name))
 
 
-def _tool_constraint(loaded: LoadedModel) -> tuple[Constraint, str]:
-    """The forced hermes call over the opencode capture's tools, and its opener."""
+def _tool_constraint(loaded: LoadedModel) -> tuple[Constraint, str, list[dict[str, Any]]]:
+    """The forced hermes call over the opencode capture's tools, its opener, the tools."""
     from gateway.core.structured import marker_tag
     from parsers.grammars import call_grammar
     from tests.schema_cases import client_tool_schemas
@@ -109,12 +116,12 @@ def _tool_constraint(loaded: LoadedModel) -> tuple[Constraint, str]:
     grammar = call_grammar("hermes", tools, tag=marker_tag(loaded.tokenizer))
     if grammar is None:
         raise SystemExit("the opencode capture's tools give no hermes call grammar")
-    return Constraint(grammar.after_opener, name="tools"), grammar.opener
+    return Constraint(grammar.after_opener, name="tools"), grammar.opener, tools
 
 
-def _prompt(loaded: LoadedModel, suffix: str = "") -> list[int]:
+def _prompt(loaded: LoadedModel, suffix: str = "", note: str = "") -> list[int]:
     tok = loaded.tokenizer
-    text = f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n{suffix}"
+    text = f"<|im_start|>user\n{PROMPT}{note}<|im_end|>\n<|im_start|>assistant\n{suffix}"
     return tok.encode_prompt(text)
 
 
@@ -137,31 +144,22 @@ def _decode(
     return n, time.perf_counter() - first
 
 
-def _decode_batch(
-    loaded: LoadedModel, prompt: list[int], constraint: Constraint | None, budget: int, n: int
-) -> tuple[int, float]:
-    """(median tokens, batch decode tokens/s) of `n` concurrent requests on the engine."""
-    from runtime.engine import Engine
-    from runtime.runner import ModelRunner, RunnerSettings
-    from runtime.types import Finished, GenerationRequest
-
-    settings = RunnerSettings(max_batch=n, prefix_cache_bytes=0)
-    engine = Engine(ModelRunner(loaded, settings), max_queue=2 * n)
-    engine.start()
-    try:
-        params = SamplingParams(temperature=0.0)
-        req = GenerationRequest(tuple(prompt), budget, params, constraint=constraint)
-        handles = engine.submit_all([req] * n)
-        ends = [next(e for e in h if isinstance(e, Finished)) for h in handles]
-    finally:
-        engine.stop()
-    rates = [
-        (e.stats.completion_tokens - 1) / e.stats.decode_seconds
-        for e in ends
-        if e.stats.completion_tokens > 1 and e.stats.decode_seconds > 0
+def _batch_cases(
+    loaded: LoadedModel, tool: Constraint, opener: str, tools: list[dict[str, Any]], rows: int
+) -> list[BatchCase]:
+    """The same grammars for the batched part, each row's prompt numbered apart."""
+    notes = [f" (request {i + 1})" for i in range(rows)]
+    cases = [
+        BatchCase(
+            name,
+            json_schema_constraint(schema),
+            [_prompt(loaded, note=n) for n in notes],
+            schema_check(schema),
+        )
+        for name, schema in SCHEMAS.items()
     ]
-    tokens = int(statistics.median(e.stats.completion_tokens for e in ends))
-    return tokens, n * statistics.mean(rates)
+    prompts = [_prompt(loaded, opener, n) for n in notes]
+    return [*cases, BatchCase("forced tool call", tool, prompts, tool_check(tools, opener))]
 
 
 def _tps(runs: list[tuple[int, float]]) -> float:
@@ -178,7 +176,7 @@ def bench_model(name: str, budget: int, repeats: int, batch: int, scratch: Path)
     print(f"\n== {name}: vocabulary import {time.perf_counter() - t0:.2f} s")
     constraints = {k: json_schema_constraint(s) for k, s in SCHEMAS.items()}
     prompts = {k: _prompt(loaded) for k in SCHEMAS}
-    tool, opener = _tool_constraint(loaded)
+    tool, opener, tools = _tool_constraint(loaded)
     constraints["forced tool call"], prompts["forced tool call"] = tool, _prompt(loaded, opener)
     cases: dict[str, tuple[Callable[[], TokenMatcher], list[int]]] = {
         k: (functools.partial(vocab.matcher, c), prompts[k]) for k, c in constraints.items()
@@ -194,19 +192,9 @@ def bench_model(name: str, budget: int, repeats: int, batch: int, scratch: Path)
         a, b = _tps(free), _tps(held)
         tokens = int(statistics.median(n for n, _ in held))
         print(f"{case:<18}{tokens:>7}{a:>12.1f}{b:>19.1f}{b / a:>7.2f}x")
-    if batch <= 1:
-        return
-    print(f"\n{batch} concurrent requests through the engine (batch decode tok/s)")
-    print(f"{'case':<18}{'tokens':>7}{'free tok/s':>12}{'constrained tok/s':>19}{'ratio':>8}")
-    for case, constraint in constraints.items():
-        prompt = prompts[case]
-        free_runs = [_decode_batch(loaded, prompt, None, budget, batch) for _ in range(repeats)]
-        held_runs = [
-            _decode_batch(loaded, prompt, constraint, budget, batch) for _ in range(repeats)
-        ]
-        a, b = max(r for _, r in free_runs), max(r for _, r in held_runs)
-        tokens = int(statistics.median(n for n, _ in held_runs))
-        print(f"{case:<18}{tokens:>7}{a:>12.1f}{b:>19.1f}{b / a:>7.2f}x")
+    if batch > 0:
+        batch_cases = _batch_cases(loaded, tool, opener, tools, batch)
+        bench_batched(loaded, batch_cases, budget, repeats, batch)
 
 
 def main() -> None:
@@ -216,7 +204,9 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["tiny", "smollm2-135m", "qwen2.5-coder-0.5b"])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=4, help="concurrent requests; 1 = skip")
+    ap.add_argument(
+        "--batch", type=int, default=4, help="concurrent requests through the engine; 0 = skip"
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.models:
