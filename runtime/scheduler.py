@@ -16,15 +16,16 @@ Every `step()` does two things on the engine thread:
    `MIN_PREFILL_CHUNK` tokens. When its prompt is in, the sequence joins the batch.
 
    The sizes come from two running measurements: a plain decode step's time (the
-   median of the last few, taken only from steps that followed a plain step: one right
-   after prefill work also waits for that work's tail), and the prompt tokens' own rate, each chunk's time less one
-   decode step's (the fixed cost of a forward, mostly reading the weights, which a
-   step pays whatever its chunk). A step then costs about one decode step plus its
-   chunk's tokens at that rate, and a step of `FUSED_SHARE` decode steps is one of
-   FUSED_SHARE - 1 decode steps' worth of prompt tokens. On a CPU the running streams'
-   inter-token latency and the prompt's time to first token trade against each other
-   exactly there: steps of s decode steps give the streams s times their gaps and the
-   prompt s / (s - 1) times its time alone.
+   median of the last few, taken only from steps that followed a plain step: one
+   right after prefill work also waits for that work's tail), and the prompt tokens'
+   own rate (each chunk's time less one decode step's: the fixed cost of a forward,
+   mostly reading the weights, which a step pays whatever its chunk). A step costs
+   about one decode step plus its chunk's tokens at that rate, so a step of
+   `FUSED_SHARE` decode steps carries FUSED_SHARE - 1 decode steps' worth of prompt
+   tokens. On a CPU the running streams' inter-token latency and the prompt's time
+   to first token trade against each other there: steps of s decode steps give the
+   streams s times their gaps and the prompt at best s / (s - 1) times its time
+   alone (more where a short chunk's tokens cost more than a long chunk's).
 
 The prefix trie (runtime/prefix_cache.py) has one live path, lent to one prefill at a
 time: a new sequence restores its longest cached prefix there, its prompt is recorded
