@@ -17,6 +17,7 @@ budget cannot be.
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -92,28 +93,19 @@ def schema_check(schema: Mapping[str, Any]) -> Callable[[str], bool]:
 def tool_check(tools: Sequence[Mapping[str, Any]], opener: str) -> Callable[[str], bool]:
     """A finished output (after the forced `opener`) is, to the hermes parser, calls to
     declared tools whose arguments are valid against their parameter schemas."""
-    import parsers
-    from parsers.events import ToolCallArgs, ToolCallStart
+    from tests.schema_cases import hermes_calls
 
+    declared = [dict(t) for t in tools]
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
 
     def valid(text: str) -> bool:
-        parser = parsers.create("hermes", tools=tools, think=False)
-        events = parser.feed(opener + text) + parser.finish()
-        starts = [e for e in events if isinstance(e, ToolCallStart)]
-        if not starts:
+        calls = hermes_calls(opener + text, declared)
+        try:
+            for name, args in calls:
+                jsonschema.validate(json.loads(args), schemas[name])
+        except (KeyError, ValueError, jsonschema.ValidationError):
             return False
-        for start in starts:
-            if start.name not in schemas:
-                return False
-            args = "".join(
-                e.fragment for e in events if isinstance(e, ToolCallArgs) and e.index == start.index
-            )
-            try:
-                jsonschema.validate(json.loads(args), schemas[start.name])
-            except (ValueError, jsonschema.ValidationError):
-                return False
-        return True
+        return bool(calls)
 
     return valid
 
@@ -180,11 +172,6 @@ def _tally(tally: Tally, rows: Sequence[Row], case: BatchCase, loaded: LoadedMod
         tally.valid += case.valid(text)
 
 
-def _median(values: Sequence[int]) -> int:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
 def bench_batched(
     loaded: LoadedModel, cases: Sequence[BatchCase], budget: int, repeats: int, rows: int
 ) -> None:
@@ -226,7 +213,7 @@ def bench_batched(
                 _tally(tally, measured, case, loaded)
             ratio = f"{b / a:.2f}x" if a else "-"
             print(
-                f"| {case.name} | {rows} | {_median(lengths)} | {a:.1f} | {b:.1f} | {ratio} "
+                f"| {case.name} | {rows} | {statistics.median_low(lengths)} | {a:.1f} | {b:.1f} | {ratio} "
                 f"| {tally} |",
                 flush=True,
             )

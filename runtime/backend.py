@@ -75,10 +75,10 @@ def cpu_vendor() -> str:
     return ""
 
 
-def _candidates() -> list[tuple[str, str]]:
+def _candidates(amd: bool) -> list[tuple[str, str]]:
     """Every BLAS found, best first for this processor."""
     openblas, mkl = _system_openblas(), _pip_candidates() + _system_mkl()
-    return openblas + mkl if cpu_vendor() == "AuthenticAMD" else mkl + openblas
+    return openblas + mkl if amd else mkl + openblas
 
 
 def _needs_blas() -> bool:
@@ -101,8 +101,9 @@ def configure_blas() -> BlasChoice:
     if not _needs_blas():
         _chosen = BlasChoice(None, "not-needed")
         return _chosen
+    amd = cpu_vendor() == "AuthenticAMD"
     candidates = [(env, "env")] if env else []
-    candidates += _candidates()
+    candidates += _candidates(amd)
     for path, source in candidates:
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
@@ -111,7 +112,7 @@ def configure_blas() -> BlasChoice:
             continue
         _chosen = BlasChoice(path, source)
         log.info("BLAS: %s (%s)", path, source)
-        if source.endswith("mkl") and cpu_vendor() == "AuthenticAMD":
+        if source.endswith("mkl") and amd:
             log.info(
                 "MKL is slower than OpenBLAS on AMD processors: apt-get install "
                 "libopenblas0-pthread and it is chosen instead"

@@ -289,3 +289,19 @@ def _bound_object(out: dict[str, Any]) -> None:
     out["properties"] = {k: v for k, v in props.items() if k in required or k in optional}
     out["additionalProperties"] = False
     out.pop("patternProperties", None)
+
+
+def hermes_calls(text: str, tools: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(name, arguments text) of each call the hermes parser reads in `text`."""
+    import parsers
+    from parsers.events import ToolCallArgs, ToolCallStart
+
+    parser = parsers.create("hermes", tools=tools, think=False)
+    events = parser.feed(text) + parser.finish()
+    return [
+        (start.name, "".join(
+            e.fragment for e in events if isinstance(e, ToolCallArgs) and e.index == start.index
+        ))
+        for start in events
+        if isinstance(start, ToolCallStart)
+    ]  # fmt: skip

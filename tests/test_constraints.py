@@ -21,9 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import parsers
 from gateway.core.structured import marker_tag
-from parsers.events import ToolCallArgs, ToolCallStart
 from parsers.grammars import call_grammar, free_calls
 from runtime.constraints import (
     ConstraintError,
@@ -37,7 +35,13 @@ from runtime.generate import generate_tokens
 from runtime.loader import LoadedModel, load
 from runtime.sampling import Sampler
 from runtime.types import Constraint, ReasoningBudget, SamplingParams
-from tests.schema_cases import SCHEMAS, bounded, client_lark_grammars, client_tool_schemas
+from tests.schema_cases import (
+    SCHEMAS,
+    bounded,
+    client_lark_grammars,
+    client_tool_schemas,
+    hermes_calls,
+)
 
 PROMPT = "<|im_start|>user\nAnswer in JSON.<|im_end|>\n<|im_start|>assistant\n"
 MAX_TOKENS = 400
@@ -269,15 +273,10 @@ def test_forced_hermes_call_names_a_declared_tool(
         )
         assert ended
         text = grammar.opener + loaded.tokenizer.decode(tokens, skip_special_tokens=False)
-        parser = parsers.create("hermes", tools=declared, think=False)
-        events = parser.feed(text) + parser.finish()
-        starts = [e for e in events if isinstance(e, ToolCallStart)]
-        assert starts and (parallel or len(starts) == 1)
-        for start in starts:
-            args = "".join(
-                e.fragment for e in events if isinstance(e, ToolCallArgs) and e.index == start.index
-            )
-            jsonschema.validate(json.loads(args), schemas[start.name])
+        calls = hermes_calls(text, declared)
+        assert calls and (parallel or len(calls) == 1)
+        for name, args in calls:
+            jsonschema.validate(json.loads(args), schemas[name])
 
 
 def test_call_grammar_names_only_declared_tools(
