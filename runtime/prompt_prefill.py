@@ -72,8 +72,7 @@ class PromptPrefill:
         """Feed up to `n` tokens in a forward of their own; return how many ran. Where
         every layer can give its state at a point it went past (`keeps`), the snapshot
         points inside the chunk do not cut it: the layers keep their states there."""
-        inside = self._inside(n) if self.images is None else []
-        self.marks = [m for m in self.marks if m not in inside]
+        inside = self.take_inside(n)
         n = self.plan(n, on_pause)
         if n <= 0:
             return 0
@@ -100,6 +99,14 @@ class PromptPrefill:
         mx.clear_cache()
         self.advance(n, on_pause)
         return n
+
+    def take_inside(self, n: int) -> list[int]:
+        """The snapshot points inside the next chunk of up to `n` tokens that it goes
+        past (`_inside`), taken off the points the chunk stops at: the caller records
+        them once the chunk is in."""
+        inside = self._inside(n) if self.images is None else []
+        self.marks = [m for m in self.marks if m not in inside]
+        return inside
 
     def _inside(self, n: int) -> list[int]:
         """The snapshot points strictly inside the next chunk of up to `n` tokens, if it

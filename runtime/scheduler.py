@@ -7,25 +7,24 @@ Every `step()` does two things on the engine thread:
    samples its own next token under its own sampler and grammar. Step N+1's forward is
    queued on the device before step N's tokens are read back, so detokenizing, stop
    strings and grammar masks run on the host while the device computes.
-2. One prefill chunk for the sequence at the head of the prefill queue, sized so that
-   the step takes about `PREFILL_SHARE` decode steps; with nothing decoding, a whole
-   `prefill_chunk`. Where the model allows (every layer attends over a token cache),
-   the chunk rides in the decode step's forward (runtime/cache/ragged.py): the step
-   then takes about `FUSED_SHARE` decode steps, at least `MIN_FUSED_CHUNK` tokens. A
-   chunk run apart pays a weight read of its own, so it takes at least
-   `MIN_PREFILL_CHUNK` tokens. When its prompt is in, the sequence joins the batch.
+2. Prefill work for the sequence at the head of the prefill queue. With nothing
+   decoding, a whole `prefill_chunk`. Otherwise, on a CPU where the model is a plain
+   stack over KV caches, a few layers of a chunk of a few hundred tokens
+   (runtime/layered_prefill.py: there a small chunk's tokens cost more than a long
+   one's). Elsewhere, a chunk sized so that the step takes about `PREFILL_SHARE`
+   decode steps; where every layer attends over a token cache, it rides in the decode
+   step's forward (runtime/cache/ragged.py): the step then takes about `FUSED_SHARE`
+   decode steps, at least `MIN_FUSED_CHUNK` tokens. A chunk run apart pays a weight
+   read of its own, so it takes at least `MIN_PREFILL_CHUNK` tokens. When its prompt
+   is in, the sequence joins the batch.
 
    The sizes come from two running measurements: a plain decode step's time (the
    median of the last few, taken only from steps that followed a plain step: one
    right after prefill work also waits for that work's tail), and the prompt tokens'
    own rate (each chunk's time less one decode step's: the fixed cost of a forward,
-   mostly reading the weights, which a step pays whatever its chunk). A step costs
-   about one decode step plus its chunk's tokens at that rate, so a step of
-   `FUSED_SHARE` decode steps carries FUSED_SHARE - 1 decode steps' worth of prompt
-   tokens. On a CPU the running streams' inter-token latency and the prompt's time
-   to first token trade against each other there: steps of s decode steps give the
-   streams s times their gaps and the prompt at best s / (s - 1) times its time
-   alone (more where a short chunk's tokens cost more than a long chunk's).
+   mostly reading the weights, which a step pays whatever its chunk). Steps of s
+   decode steps give the streams s times their gaps and the prompt at best s / (s - 1)
+   times its time alone (more where its tokens cost more in smaller chunks).
 
 The prefix trie (runtime/prefix_cache.py) has one live path, lent to one prefill at a
 time: a new sequence restores its longest cached prefix there, its prompt is recorded
@@ -36,6 +35,7 @@ copied back into the trie between prefills. Sequences join and leave between ste
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -46,10 +46,12 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from runtime.backend import on_cpu
 from runtime.cache.batch import BatchCaches, batchable
 from runtime.cache.kv import KVCache
 from runtime.cache.ragged import RaggedCache
 from runtime.generate import CausalLM, _read, _sample_arrays
+from runtime.layered_prefill import LayeredChunk, LayerPace, layer_stack
 from runtime.models.base import fusable
 from runtime.prefix_cache import Key, Lease, PrefixCache
 from runtime.prefix_loan import RowState
@@ -71,14 +73,12 @@ PREFILL_SHARE = 2.0  # a prefill chunk takes about this many decode steps' time.
 # several times over for little gain in the streams' inter-token latency
 MIN_PREFILL_CHUNK = 64
 # A chunk riding on a decode step shares its weight read, so the streams wait for the
-# chunk's compute only: the step may take FUSED_SHARE decode steps. On a CPU BLAS, a
-# matrix product of 8-16 rows costs about what 32 do (measured on Qwen2.5-0.5B: 16 rows
-# 260 ms, 32 rows 346 ms, one row 89 ms), so smaller chunks buy the streams little and
-# stretch the prompt's time to first token several times over.
+# chunk's compute only: the step may take FUSED_SHARE decode steps. Smaller chunks would
+# buy the streams little and stretch the prompt's time to first token.
 FUSED_SHARE = 3.0
 MIN_FUSED_CHUNK = 32
 # a chunk's time less one decode step is its tokens' own time, but no less than this
-# share of it (a first step measured long, a chunk the decode step estimate outweighs)
+# share of it (a first step measured long, or a step estimate that outweighs the chunk)
 _MIN_OWN_SHARE = 0.25
 _EMA = 0.3  # weight of the newest measurement in the prefill rate's running average
 _PLAIN_STEPS = 9  # plain decode steps the decode step's time is the median of
@@ -93,6 +93,7 @@ class SchedulerStats:
     steps: int = 0  # batched decode steps taken
     decode_step_seconds: float = 0.0  # running average of one decode step
     fused_steps: int = 0  # decode steps that carried a prefill chunk
+    layered_steps: int = 0  # steps that took a prompt's chunk through some layers
     prefill_chunk_tokens: int = 0  # the size of the last prefill chunk
     max_batch_seen: int = 0
 
@@ -109,6 +110,7 @@ class _Seq:
     input: mx.array | None = None  # (1,) the token the next step feeds
     unread: SampleResult | None = None  # sampled on the device, not yet read
     images: PromptImages | None = None  # its prompt's images (prefix-cache keys)
+    layered: LayeredChunk | None = None  # its prompt's chunk on its way through the layers
 
     @property
     def request(self) -> Any:
@@ -141,6 +143,10 @@ class Scheduler:
         self._on_begin = on_begin  # the runner logs the lease's cache report
         self._batched = batchable(make_caches())
         self._fuse = self._batched and fusable(model)
+        # read prompts a few layers per step while others decode (module docstring)
+        self._stack = layer_stack(model) if self._batched and on_cpu() else None
+        self.layered = self._stack is not None
+        self._layer_pace = LayerPace()
         # whether prefill chunks go past snapshot points (prompt_prefill.keeps_on_the_way);
         # None: each prompt decides from its caches (a distributed group agrees instead)
         self.keeps_inside: bool | None = None
@@ -185,11 +191,13 @@ class Scheduler:
         done: list[tuple[RequestHandle, Finished]] = []
         rider = self._rider()
         rows = len(self._rows)
+        # a step that may carry a layered chunk is timed from its decode step's start
+        start = self.clock() if self.layered and rows and self._queue else 0.0
         if self._rows:
             done += self._decode_step(rider)
         prefilled = bool(self._queue) and rider is None
         if prefilled:
-            done += self._prefill_step()
+            done += self._prefill_step(start)
         if not self._queue or self._queue[0].prefill is None:
             self._write_back()
         # the next step's time is a plain decode step's only after one like it
@@ -241,7 +249,7 @@ class Scheduler:
         """The sequence being prefilled when its next chunk can ride on this decode step
         (one forward, runtime/cache/ragged.py): a text chunk, text rows, and a plain
         decode step measured before (its time sizes the chunks)."""
-        if not (self._fuse and self._rows and self._queue and self._batch is not None):
+        if self.layered or not (self._fuse and self._rows and self._queue and self._batch):
             return None
         seq = self._queue[0]
         if seq.prefill is None or seq.prefill.images is not None or seq.handle.cancelled:
@@ -382,7 +390,7 @@ class Scheduler:
         floor = MIN_FUSED_CHUNK if fused else MIN_PREFILL_CHUNK
         return max(min(cap, floor), min(cap, int(prefill_rate * budget)))
 
-    def _prefill_step(self) -> list[tuple[RequestHandle, Finished]]:
+    def _prefill_step(self, start: float = 0.0) -> list[tuple[RequestHandle, Finished]]:
         seq = self._queue[0]
         if seq.prefill is None and not self._fits(seq):
             return []  # waits (first in line) until running sequences free memory
@@ -392,9 +400,14 @@ class Scheduler:
             assert seq.prefill is not None
             if seq.handle.cancelled:
                 seq.out.progress.reason = FinishReason.CANCELLED
+                if seq.layered is not None:
+                    seq.layered.undo()
+                    seq.layered = None
                 self._queue.popleft()
                 self._end_prefill(seq)
                 return [(seq.handle, self._finished(seq))]
+            if self._layering(seq):
+                return self._layered_step(seq, start)
             n = self._chunk(seq)
             started = self.clock()
             ran = seq.prefill.run(self.model, n, lambda at: self._pause(seq, at))
@@ -405,20 +418,53 @@ class Scheduler:
             log.exception("prefill failed")
             if seq.prefill is not None:
                 self.prefix.discard(seq.prefill.lease)
-                seq.prefill = None
+                seq.prefill, seq.layered = None, None
             self._queue.popleft()
             seq.out.progress.reason = FinishReason.ERROR
             self.trie_changed = True
             return [(seq.handle, self._finished(seq, f"{type(exc).__name__}: {exc}"))]
         return []
 
+    def _layering(self, seq: _Seq) -> bool:
+        """Whether `seq`'s prompt goes on a few layers per step: it has a chunk on the
+        way, or others decode and a plain decode step was measured (it sizes the steps)."""
+        if seq.layered is not None:
+            return True
+        return self.layered and seq.images is None and bool(self._rows) and self._rates()[0] > 0
+
+    def _layered_step(self, seq: _Seq, start: float) -> list[tuple[RequestHandle, Finished]]:
+        """A few layers of the prompt's chunk (a new chunk when none is on the way); all
+        the layers it has left when nothing decodes any more."""
+        assert seq.prefill is not None and self._stack is not None
+        pace, step = self._layer_pace, self._rates()[0]
+        pause = functools.partial(self._pause, seq)
+        if seq.layered is None:
+            cap = seq.request.prefill_chunk or self.prefill_chunk
+            seq.layered = LayeredChunk(self._stack, seq.prefill, pace.tokens(cap, step), pause)
+        chunk = seq.layered
+        layers = pace.layers(chunk, step) if self._rows else chunk.left
+        if layers:
+            chunk.run(layers)
+            self.stats.layered_steps += 1
+            if self._rows and start:
+                pace.measured(chunk.tokens * layers, self._own(self.clock() - start))
+        self.stats.prefill_chunk_tokens = chunk.tokens
+        if not chunk.done:
+            return []
+        seq.layered = None
+        chunk.finish(pause)
+        return self._join(seq) if seq.prefill.done else []
+
     def _measured_chunk(self, tokens: int, took: float) -> None:
         """A chunk of `tokens` took `took` seconds, a forward's fixed cost included."""
         if tokens > 0 and took > 0:
-            own = max(took - self.stats.decode_step_seconds, _MIN_OWN_SHARE * took)
-            rate = tokens / own
+            rate = tokens / self._own(took)
             self._prefill_rate = rate if self._prefill_rate <= 0 else _avg(self._prefill_rate, rate)
             self.stats.prefill_chunk_tokens = tokens
+
+    def _own(self, took: float) -> float:
+        """A step's or chunk's time less one decode step: its prompt tokens' own time."""
+        return max(took - self.stats.decode_step_seconds, _MIN_OWN_SHARE * took)
 
     def _fits(self, seq: _Seq) -> bool:
         """Whether the batch's caches, with `seq` joined and every row at its longest,

@@ -27,6 +27,7 @@ from runtime.generate import generate_tokens
 from runtime.loader import load
 from runtime.runner import ModelRunner, RunnerSettings
 from runtime.sampling import Sampler
+from runtime.scheduler import Scheduler
 from runtime.types import (
     Finished,
     FinishReason,
@@ -59,6 +60,12 @@ def _engine(folder: Path, *, max_batch: int, cache: bool, memory: int = 1 << 30)
     engine = Engine(ModelRunner(load(folder), settings), max_queue=64)
     engine.start()
     return engine
+
+
+def _scheduler(engine: Engine) -> Scheduler:
+    runner = engine._runner
+    assert isinstance(runner, ModelRunner)
+    return runner.scheduler
 
 
 def _collect(handle: RequestHandle) -> tuple[list[int], Finished]:
@@ -250,11 +257,17 @@ def test_a_request_that_would_not_fit_waits_its_turn(folders: Callable[[str], Pa
     assert [t for t, _ in got] == expected
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3_text"])
-def test_prefill_chunks_ride_on_decode_steps(name: str, folders: Callable[[str], Path]) -> None:
+@pytest.mark.parametrize(
+    ("name", "mode"), [("llama", "fused"), ("llama", "layered"), ("gemma3_text", "fused")]
+)
+def test_prefill_chunks_ride_on_decode_steps(
+    name: str, mode: str, folders: Callable[[str], Path]
+) -> None:
     """Prompts that arrive while others decode are read in the decode steps' forwards
-    (one forward for both, runtime/cache/ragged.py), and every request still gets the
-    tokens it gets alone. gemma3's 45-token prompts pass its sliding window of 8."""
+    (one forward for both, runtime/cache/ragged.py), or a few layers per step between
+    them (runtime/layered_prefill.py, the CPU's way for a plain stack), and every
+    request still gets the tokens it gets alone. gemma3's 45-token prompts pass its
+    sliding window of 8."""
     folder = folders(name)
     vocab = ENGINE_KINDS[name][1]
     running = [_request(prompt(5, 40 + i, vocab), 60) for i in range(2)]
@@ -262,6 +275,9 @@ def test_prefill_chunks_ride_on_decode_steps(name: str, folders: Callable[[str],
     expected = _alone(folder, [*running, *arriving])
     for cache in (False, True):
         engine = _engine(folder, max_batch=8, cache=cache)
+        scheduler = _scheduler(engine)
+        assert scheduler.layered == (name == "llama")  # the CPU's way for a plain stack
+        scheduler.layered = mode == "layered"
         try:
             first = [engine.submit(r) for r in running]
             for handle in first:  # they decode before the long prompts come
@@ -273,7 +289,7 @@ def test_prefill_chunks_ride_on_decode_steps(name: str, folders: Callable[[str],
             stats = runner.scheduler.stats
         finally:
             engine.stop()
-        assert stats.fused_steps > 0
+        assert (stats.layered_steps if mode == "layered" else stats.fused_steps) > 0
         firsts = [expected[i][:1] + t for i, (t, _) in enumerate(results)]
         assert firsts == expected[:2]
         assert [t for t, _ in later] == expected[2:]

@@ -51,6 +51,7 @@ def _runner(folder: Path) -> tuple[ModelRunner, Scheduler, Clock]:
     runner = ModelRunner(load(folder), settings)
     clock = Clock()
     runner.scheduler.clock = clock
+    runner.scheduler.layered = False  # token chunks (tests/test_layered_prefill.py: layers)
     return runner, runner.scheduler, clock
 
 

@@ -109,6 +109,8 @@ class LockstepScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # a stage holds some of the layers: prompts go through whole, in token chunks
+        self.layered = False
         self.rates = (0.0, 0.0)  # rank 0's (decode step seconds, prefill tokens/s)
         self.share: Callable[[mx.array], mx.array] | None = None
         self.agree: Agree | None = None
