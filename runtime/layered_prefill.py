@@ -48,10 +48,12 @@ class LayeredChunk:
     """One chunk of a prompt on its way through the layers."""
 
     def __init__(
-        self, body: LayerStack, prefill: PromptPrefill, tokens: int,
+        self, body: LayerStack, prefill: PromptPrefill, tokens: int, per_step: int,
         on_pause: Callable[[int], None],
     ) -> None:  # fmt: skip
         self.body = body
+        # layers a step takes it through while others decode (0: one, until measured)
+        self.per_step = per_step
         self.prefill = prefill
         self.inside = prefill.take_inside(tokens)  # snapshot points recorded at the end
         self.tokens = prefill.plan(tokens, on_pause)
@@ -115,22 +117,26 @@ class LayerPace:
     def __init__(self) -> None:
         self.seconds = 0.0  # one token through one layer (the step's decode step aside)
 
-    def tokens(self, cap: int, step: float) -> int:
-        """A new chunk's tokens, at most `cap`; `step`: a plain decode step's seconds."""
-        if self.seconds <= 0:
-            return min(cap, FIRST_LAYERED_CHUNK)
+    def plan(self, cap: int, step: float, layers: int) -> tuple[int, int]:
+        """A new chunk's (tokens, layers per step) for a model of `layers` layers: at most
+        `cap` tokens; `step`: a plain decode step's seconds. The layers per step stay the
+        same for the whole chunk, in steps as equal as the count allows (24 layers, at
+        least 5 a step for LAYERED_CHUNK tokens: 4 steps of 6), so that its steps take
+        the same time."""
+        if self.seconds <= 0:  # one layer, then as many as fit (`fit`)
+            return min(cap, FIRST_LAYERED_CHUNK), 0
         budget = (LAYERED_SHARE - 1) * step
-        layers = max(1, math.ceil(budget / (LAYERED_CHUNK * self.seconds)))
-        tokens = int(budget / (layers * self.seconds))
-        return max(min(cap, MIN_LAYERED_CHUNK), min(cap, tokens))
+        need = max(1, min(layers, math.ceil(budget / (LAYERED_CHUNK * self.seconds))))
+        per_step = math.ceil(layers / max(1, layers // need))
+        tokens = int(budget / (per_step * self.seconds))
+        return max(min(cap, MIN_LAYERED_CHUNK), min(cap, tokens)), per_step
 
-    def layers(self, chunk: LayeredChunk, step: float) -> int:
-        """How many layers `chunk` goes through in this step: one at least, at most all
-        it has left; `step`: a plain decode step's seconds."""
-        if chunk.left <= 0 or self.seconds <= 0:
-            return min(1, chunk.left)
-        wanted = round((LAYERED_SHARE - 1) * step / (chunk.tokens * self.seconds))
-        return max(1, min(chunk.left, wanted))
+    def fit(self, tokens: int, step: float, layers: int) -> int:
+        """Layers per step for a chunk of `tokens` tokens: as many as fit in a step, in
+        steps as equal as the count allows."""
+        budget = (LAYERED_SHARE - 1) * step
+        fits = max(1, min(layers, int(budget / (tokens * self.seconds)))) if self.seconds else 1
+        return math.ceil(layers / math.ceil(layers / fits))
 
     def measured(self, token_layers: int, own: float) -> None:
         """`token_layers` (tokens times layers) took `own` seconds."""

@@ -143,9 +143,8 @@ class Scheduler:
         self._on_begin = on_begin  # the runner logs the lease's cache report
         self._batched = batchable(make_caches())
         self._fuse = self._batched and fusable(model)
-        # read prompts a few layers per step while others decode (module docstring)
         self._stack = layer_stack(model) if self._batched and on_cpu() else None
-        self.layered = self._stack is not None
+        self.layered = self._stack is not None  # prompts go a few layers a step (docstring)
         self._layer_pace = LayerPace()
         # whether prefill chunks go past snapshot points (prompt_prefill.keeps_on_the_way);
         # None: each prompt decides from its caches (a distributed group agrees instead)
@@ -402,7 +401,6 @@ class Scheduler:
                 seq.out.progress.reason = FinishReason.CANCELLED
                 if seq.layered is not None:
                     seq.layered.undo()
-                    seq.layered = None
                 self._queue.popleft()
                 self._end_prefill(seq)
                 return [(seq.handle, self._finished(seq))]
@@ -418,7 +416,7 @@ class Scheduler:
             log.exception("prefill failed")
             if seq.prefill is not None:
                 self.prefix.discard(seq.prefill.lease)
-                seq.prefill, seq.layered = None, None
+            seq.prefill, seq.layered = None, None
             self._queue.popleft()
             seq.out.progress.reason = FinishReason.ERROR
             self.trie_changed = True
@@ -426,28 +424,29 @@ class Scheduler:
         return []
 
     def _layering(self, seq: _Seq) -> bool:
-        """Whether `seq`'s prompt goes on a few layers per step: it has a chunk on the
+        """Whether `seq`'s prompt goes on a few layers per step: a chunk of it is on the
         way, or others decode and a plain decode step was measured (it sizes the steps)."""
-        if seq.layered is not None:
-            return True
-        return self.layered and seq.images is None and bool(self._rows) and self._rates()[0] > 0
+        ready = self.layered and seq.images is None and self._rows and self._rates()[0] > 0
+        return seq.layered is not None or bool(ready)
 
     def _layered_step(self, seq: _Seq, start: float) -> list[tuple[RequestHandle, Finished]]:
-        """A few layers of the prompt's chunk (a new chunk when none is on the way); all
-        the layers it has left when nothing decodes any more."""
+        """A few layers of the prompt's chunk (a new one if none is on the way); all it has
+        left when nothing decodes any more."""
         assert seq.prefill is not None and self._stack is not None
-        pace, step = self._layer_pace, self._rates()[0]
+        pace, step, depth = self._layer_pace, self._rates()[0], len(self._stack.layers)
         pause = functools.partial(self._pause, seq)
         if seq.layered is None:
             cap = seq.request.prefill_chunk or self.prefill_chunk
-            seq.layered = LayeredChunk(self._stack, seq.prefill, pace.tokens(cap, step), pause)
+            tokens, per_step = pace.plan(cap, step, depth)
+            seq.layered = LayeredChunk(self._stack, seq.prefill, tokens, per_step, pause)
         chunk = seq.layered
-        layers = pace.layers(chunk, step) if self._rows else chunk.left
+        layers = min(max(1, chunk.per_step), chunk.left) if self._rows else chunk.left
         if layers:
             chunk.run(layers)
             self.stats.layered_steps += 1
             if self._rows and start:
                 pace.measured(chunk.tokens * layers, self._own(self.clock() - start))
+                chunk.per_step = chunk.per_step or pace.fit(chunk.tokens, step, depth)
         self.stats.prefill_chunk_tokens = chunk.tokens
         if not chunk.done:
             return []
