@@ -36,6 +36,7 @@ Every server runs in its own process on 127.0.0.1, one at a time, and is stopped
     python bench/concurrency.py [--models smollm2-135m qwen2.5-coder-0.5b]
         [--streams 1,2,4,8,16] [--gen-tokens 128] [--long-tokens 16384]
         [--skip-mlx] [--skip-throughput] [--skip-interference] [--skip-mlx-interference]
+        [--skip-unbatched]
         [--json out.json]
 
 Models come from `mlx-gateway pull ALIAS`. The machine may be shared: absolute numbers are
@@ -406,7 +407,7 @@ def throughput_rows(
     rows: list[ServerRow] = []
     for alias in args.models:
         for name, extra in (
-            ("gateway --max-batch 1", ("--max-batch", "1")),
+            *([] if args.skip_unbatched else [("gateway --max-batch 1", ("--max-batch", "1"))]),
             ("gateway", ("--max-batch", str(BATCH))),
         ):
             port = _free_port()
@@ -456,6 +457,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--long-tokens", type=int, default=16384)
     p.add_argument("--skip-mlx", action="store_true", help="the gateway alone")
     p.add_argument("--skip-interference", action="store_true")
+    p.add_argument(
+        "--skip-unbatched",
+        action="store_true",
+        help="no --max-batch 1 row (its streams run one after another: slow); "
+        "nothing then checks that batched streams write the unbatched text",
+    )
     p.add_argument("--skip-throughput", action="store_true", help="interference only")
     p.add_argument("--skip-mlx-interference", action="store_true", help="mlx-lm's is slow")
     p.add_argument("--json", default=None, help="write every measurement here")
