@@ -48,12 +48,11 @@ class LayeredChunk:
     """One chunk of a prompt on its way through the layers."""
 
     def __init__(
-        self, body: LayerStack, prefill: PromptPrefill, tokens: int, per_step: int,
+        self, body: LayerStack, prefill: PromptPrefill, tokens: int,
         on_pause: Callable[[int], None],
     ) -> None:  # fmt: skip
         self.body = body
-        # layers a step takes it through while others decode (0: one, until measured)
-        self.per_step = per_step
+        self.per_step = 0  # layers a step takes it through while others decode (LayerPace.fit)
         self.prefill = prefill
         self.inside = prefill.take_inside(tokens)  # snapshot points recorded at the end
         self.tokens = prefill.plan(tokens, on_pause)
@@ -116,26 +115,31 @@ class LayerPace:
 
     def __init__(self) -> None:
         self.seconds = 0.0  # one token through one layer (the step's decode step aside)
+        # a prompt goes layer by layer while more than this many of its tokens are left;
+        # a shorter one rides on the decode steps (one read of the weights for both)
+        self.min_prompt = LAYERED_CHUNK
 
-    def plan(self, cap: int, step: float, layers: int) -> tuple[int, int]:
-        """A new chunk's (tokens, layers per step) for a model of `layers` layers: at most
-        `cap` tokens; `step`: a plain decode step's seconds. The layers per step stay the
-        same for the whole chunk, in steps as equal as the count allows (24 layers, at
-        least 5 a step for LAYERED_CHUNK tokens: 4 steps of 6), so that its steps take
-        the same time."""
-        if self.seconds <= 0:  # one layer, then as many as fit (`fit`)
-            return min(cap, FIRST_LAYERED_CHUNK), 0
+    def tokens(self, cap: int, step: float, layers: int) -> int:
+        """A new chunk's tokens, at most `cap`, for a model of `layers` layers; `step`: a
+        plain decode step's seconds. About LAYERED_CHUNK: the layers that many tokens
+        need a step for, split into steps as equal as the count allows (24 layers, 5 a
+        step: 4 steps of 6), then the tokens that fill a step of that many layers."""
+        if self.seconds <= 0:
+            return min(cap, FIRST_LAYERED_CHUNK)
         budget = (LAYERED_SHARE - 1) * step
         need = max(1, min(layers, math.ceil(budget / (LAYERED_CHUNK * self.seconds))))
         per_step = math.ceil(layers / max(1, layers // need))
         tokens = int(budget / (per_step * self.seconds))
-        return max(min(cap, MIN_LAYERED_CHUNK), min(cap, tokens)), per_step
+        return max(min(cap, MIN_LAYERED_CHUNK), min(cap, tokens))
 
     def fit(self, tokens: int, step: float, layers: int) -> int:
-        """Layers per step for a chunk of `tokens` tokens: as many as fit in a step, in
-        steps as equal as the count allows."""
+        """Layers per step for a chunk of `tokens` tokens, the same for all its steps (so
+        that they take the same time): as many as fit in a step, in steps as equal as the
+        count allows. 0 before anything is measured (a step then takes one)."""
+        if self.seconds <= 0:
+            return 0
         budget = (LAYERED_SHARE - 1) * step
-        fits = max(1, min(layers, int(budget / (tokens * self.seconds)))) if self.seconds else 1
+        fits = max(1, min(layers, int(budget / (max(1, tokens) * self.seconds))))
         return math.ceil(layers / math.ceil(layers / fits))
 
     def measured(self, token_layers: int, own: float) -> None:

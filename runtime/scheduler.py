@@ -248,12 +248,12 @@ class Scheduler:
         """The sequence being prefilled when its next chunk can ride on this decode step
         (one forward, runtime/cache/ragged.py): a text chunk, text rows, and a plain
         decode step measured before (its time sizes the chunks)."""
-        if self.layered or not (self._fuse and self._rows and self._queue and self._batch):
+        if not (self._fuse and self._rows and self._queue and self._batch):
             return None
         seq = self._queue[0]
         if seq.prefill is None or seq.prefill.images is not None or seq.handle.cancelled:
             return None
-        if self._rates()[0] <= 0 or any(_shift(r) for r in self._rows):
+        if self._rates()[0] <= 0 or any(_shift(r) for r in self._rows) or self._layering(seq):
             return None
         return seq
 
@@ -425,9 +425,13 @@ class Scheduler:
 
     def _layering(self, seq: _Seq) -> bool:
         """Whether `seq`'s prompt goes on a few layers per step: a chunk of it is on the
-        way, or others decode and a plain decode step was measured (it sizes the steps)."""
-        ready = self.layered and seq.images is None and self._rows and self._rates()[0] > 0
-        return seq.layered is not None or bool(ready)
+        way, or others decode, a plain decode step was measured (it sizes the steps) and
+        more than `LayerPace.min_prompt` tokens are left (a shorter rest rides if it can)."""
+        if seq.layered is not None:
+            return True
+        rest = len(seq.prefill.rest) if seq.prefill is not None and self._rows else 0
+        ready = self.layered and seq.images is None and self._rates()[0] > 0
+        return ready and rest > self._layer_pace.min_prompt
 
     def _layered_step(self, seq: _Seq, start: float) -> list[tuple[RequestHandle, Finished]]:
         """A few layers of the prompt's chunk (a new one if none is on the way); all it has
@@ -437,16 +441,16 @@ class Scheduler:
         pause = functools.partial(self._pause, seq)
         if seq.layered is None:
             cap = seq.request.prefill_chunk or self.prefill_chunk
-            tokens, per_step = pace.plan(cap, step, depth)
-            seq.layered = LayeredChunk(self._stack, seq.prefill, tokens, per_step, pause)
+            tokens = pace.tokens(cap, step, depth)
+            seq.layered = LayeredChunk(self._stack, seq.prefill, tokens, pause)
         chunk = seq.layered
+        chunk.per_step = chunk.per_step or pace.fit(chunk.tokens, step, depth)
         layers = min(max(1, chunk.per_step), chunk.left) if self._rows else chunk.left
         if layers:
             chunk.run(layers)
             self.stats.layered_steps += 1
             if self._rows and start:
                 pace.measured(chunk.tokens * layers, self._own(self.clock() - start))
-                chunk.per_step = chunk.per_step or pace.fit(chunk.tokens, step, depth)
         self.stats.prefill_chunk_tokens = chunk.tokens
         if not chunk.done:
             return []

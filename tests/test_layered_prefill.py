@@ -78,7 +78,7 @@ def test_a_chunk_taken_layer_by_layer_fills_the_caches_as_one_forward(
         whole.run(model, 16, seen["whole"].append)
     steps = 0
     while not layered.done:
-        chunk = LayeredChunk(stack, layered, 16, 1, seen["layered"].append)
+        chunk = LayeredChunk(stack, layered, 16, seen["layered"].append)
         while not chunk.done:
             chunk.run(per_step)
             steps += 1
@@ -99,10 +99,10 @@ def test_a_chunk_given_up_halfway_leaves_the_caches_at_its_start(
     tokens = prompt(41, 6, VOCAB)
     prefill, reference = _prefill(model, tokens, ()), _prefill(model, tokens, ())
     reference.run(model, 16, lambda _: None)
-    chunk = LayeredChunk(stack, prefill, 16, 1, lambda _: None)
+    chunk = LayeredChunk(stack, prefill, 16, lambda _: None)
     chunk.run(16)
     chunk.finish(lambda _: None)
-    second = LayeredChunk(stack, prefill, 16, 1, lambda _: None)
+    second = LayeredChunk(stack, prefill, 16, lambda _: None)
     second.run(1)
     assert [c.offset for c in prefill.caches] == [32, 16]
     second.undo()
@@ -116,25 +116,31 @@ def test_steps_are_sized_from_a_tokens_time_through_a_layer() -> None:
     pace = LayerPace()
     step = 0.2  # a plain decode step; a step may take LAYERED_SHARE of them
     budget = (LAYERED_SHARE - 1) * step
-    assert pace.plan(4096, step, 24) == (FIRST_LAYERED_CHUNK, 0)  # sized once measured
+    assert pace.tokens(4096, step, 24) == FIRST_LAYERED_CHUNK  # nothing measured yet:
+    assert pace.fit(FIRST_LAYERED_CHUNK, step, 24) == 0  # one layer, sized once measured
     pace.measured(1000, 0.1)  # 0.1 ms a token through a layer
     assert pace.seconds == pytest.approx(1e-4)
-    fits = int(budget / (FIRST_LAYERED_CHUNK * 1e-4))  # the first chunk, sized after a layer
-    assert pace.fit(FIRST_LAYERED_CHUNK, step, 24) == math.ceil(24 / math.ceil(24 / fits))
-    assert pace.fit(FIRST_LAYERED_CHUNK, step, 24) <= fits
-    # LAYERED_CHUNK tokens through `need` layers fill a step; the 24 layers in equal
-    # steps of at least that many, and the tokens that fill a step of those
+    # LAYERED_CHUNK tokens need `need` layers a step; the 24 layers go in equal steps of
+    # at least that many, with the tokens that fill a step of those
     need = math.ceil(budget / (LAYERED_CHUNK * 1e-4))
     per_step = math.ceil(24 / (24 // need))
     assert per_step >= need and 24 % per_step == 0
     tokens = int(budget / (per_step * 1e-4))
     assert tokens <= LAYERED_CHUNK
-    assert pace.plan(4096, step, 24) == (tokens, per_step)
-    assert pace.plan(256, step, 24) == (256, per_step)  # the request's prefill chunk bounds it
-    assert pace.plan(4096, step, 2) == (int(budget / 2e-4), 2)  # all of a small model's
+    assert pace.tokens(4096, step, 24) == tokens
+    assert pace.fit(tokens, step, 24) == per_step
+    assert pace.tokens(256, step, 24) == 256  # the request's prefill chunk bounds it
+    assert pace.tokens(4096, step, 2) == int(budget / 2e-4)  # a small model's all in a step
+    # a short prompt's chunk goes through as many layers as its own tokens fit
+    fits = int(budget / (100 * 1e-4))
+    assert pace.fit(100, step, 24) == math.ceil(24 / math.ceil(24 / fits)) == 24
+    assert pace.fit(FIRST_LAYERED_CHUNK, step, 24) == math.ceil(
+        24 / math.ceil(24 / int(budget / (FIRST_LAYERED_CHUNK * 1e-4)))
+    )
     pace.measured(10, 1.0)  # a slow model: one layer, never fewer than the floor's tokens
     assert pace.seconds == pytest.approx(0.7 * 1e-4 + 0.3 * 0.1)
-    assert pace.plan(4096, step, 24) == (MIN_LAYERED_CHUNK, 1)
+    assert pace.tokens(4096, step, 24) == MIN_LAYERED_CHUNK
+    assert pace.fit(MIN_LAYERED_CHUNK, step, 24) == 1
 
 
 def _alone(folder: Path, tokens: tuple[int, ...], new: int) -> list[int]:
@@ -165,7 +171,10 @@ def test_a_prompt_cancelled_halfway_through_a_chunk_leaves_a_sound_prefix(
     runner = ModelRunner(load(folder), settings)
     sched = runner.scheduler
     assert sched.layered
-    sched._layer_pace.plan = lambda cap, step, layers: (16, 1)  # type: ignore[method-assign]
+    pace = sched._layer_pace
+    pace.min_prompt = 0  # these prompts are short
+    pace.tokens = lambda cap, step, layers: 16  # type: ignore[method-assign]
+    pace.fit = lambda tokens, step, layers: 1  # type: ignore[method-assign]
 
     def admit(tokens: tuple[int, ...], new: int) -> RequestHandle:
         request = GenerationRequest(tokens, new, SamplingParams(temperature=0.0))

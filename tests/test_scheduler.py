@@ -278,6 +278,7 @@ def test_prefill_chunks_ride_on_decode_steps(
         scheduler = _scheduler(engine)
         assert scheduler.layered == (name == "llama")  # the CPU's way for a plain stack
         scheduler.layered = mode == "layered"
+        scheduler._layer_pace.min_prompt = 0  # the arriving prompts are short
         try:
             first = [engine.submit(r) for r in running]
             for handle in first:  # they decode before the long prompts come
