@@ -190,8 +190,7 @@ class Scheduler:
         done: list[tuple[RequestHandle, Finished]] = []
         rider = self._rider()
         rows = len(self._rows)
-        # a step that may carry a layered chunk is timed from its decode step's start
-        start = self.clock() if self.layered and rows and self._queue else 0.0
+        start = self.clock() if self.layered and rows and self._queue else 0.0  # layered
         if self._rows:
             done += self._decode_step(rider)
         prefilled = bool(self._queue) and rider is None
@@ -199,8 +198,7 @@ class Scheduler:
             done += self._prefill_step(start)
         if not self._queue or self._queue[0].prefill is None:
             self._write_back()
-        # the next step's time is a plain decode step's only after one like it
-        self._settled = bool(rows) and rider is None and not prefilled
+        self._settled = bool(rows) and rider is None and not prefilled  # a plain step
         self._count()
         self._share_memory()
         return done
@@ -211,8 +209,7 @@ class Scheduler:
             self.prefix.set_limit(self.memory_bytes - self._projected(self._rows))
 
     def _projected(self, rows: list[_Seq]) -> int:
-        """The batch caches' bytes with every row at its longest (prompt + max_tokens;
-        rows are padded to the longest)."""
+        """The batch caches' bytes, every row at its longest (prompt + max_tokens, padded)."""
         per_token, per_row = self._row_bytes
         if not rows:
             return 0
@@ -245,9 +242,8 @@ class Scheduler:
     # -- decode --
 
     def _rider(self) -> _Seq | None:
-        """The sequence being prefilled when its next chunk can ride on this decode step
-        (one forward, runtime/cache/ragged.py): a text chunk, text rows, and a plain
-        decode step measured before (its time sizes the chunks)."""
+        """The sequence being prefilled when its next chunk rides on this decode step (one
+        forward, runtime/cache/ragged.py): text, a measured decode step, not layered."""
         if not (self._fuse and self._rows and self._queue and self._batch):
             return None
         seq = self._queue[0]
@@ -424,9 +420,9 @@ class Scheduler:
         return []
 
     def _layering(self, seq: _Seq) -> bool:
-        """Whether `seq`'s prompt goes on a few layers per step: a chunk of it is on the
-        way, or others decode, a plain decode step was measured (it sizes the steps) and
-        more than `LayerPace.min_prompt` tokens are left (a shorter rest rides if it can)."""
+        """Whether `seq`'s prompt goes a few layers per step: a chunk of it is on the way,
+        or others decode, a decode step was measured (it sizes the steps) and more than
+        `LayerPace.min_prompt` tokens are left (a shorter rest rides if it can)."""
         if seq.layered is not None:
             return True
         rest = len(seq.prefill.rest) if seq.prefill is not None and self._rows else 0

@@ -258,16 +258,18 @@ def test_a_request_that_would_not_fit_waits_its_turn(folders: Callable[[str], Pa
 
 
 @pytest.mark.parametrize(
-    ("name", "mode"), [("llama", "fused"), ("llama", "layered"), ("gemma3_text", "fused")]
+    ("name", "mode"),
+    [("llama", "fused"), ("llama", "layered"), ("llama", "short"), ("gemma3_text", "fused")],
 )
 def test_prefill_chunks_ride_on_decode_steps(
     name: str, mode: str, folders: Callable[[str], Path]
 ) -> None:
     """Prompts that arrive while others decode are read in the decode steps' forwards
     (one forward for both, runtime/cache/ragged.py), or a few layers per step between
-    them (runtime/layered_prefill.py, the CPU's way for a plain stack), and every
-    request still gets the tokens it gets alone. gemma3's 45-token prompts pass its
-    sliding window of 8."""
+    them (runtime/layered_prefill.py, the CPU's way for a plain stack's long prompts;
+    "short": these prompts are short enough to ride there too), and every request
+    still gets the tokens it gets alone. gemma3's 45-token prompts pass its sliding
+    window of 8."""
     folder = folders(name)
     vocab = ENGINE_KINDS[name][1]
     running = [_request(prompt(5, 40 + i, vocab), 60) for i in range(2)]
@@ -277,8 +279,9 @@ def test_prefill_chunks_ride_on_decode_steps(
         engine = _engine(folder, max_batch=8, cache=cache)
         scheduler = _scheduler(engine)
         assert scheduler.layered == (name == "llama")  # the CPU's way for a plain stack
-        scheduler.layered = mode == "layered"
-        scheduler._layer_pace.min_prompt = 0  # the arriving prompts are short
+        scheduler.layered = mode != "fused"
+        if mode == "layered":
+            scheduler._layer_pace.min_prompt = 0  # however short
         try:
             first = [engine.submit(r) for r in running]
             for handle in first:  # they decode before the long prompts come
@@ -291,6 +294,7 @@ def test_prefill_chunks_ride_on_decode_steps(
         finally:
             engine.stop()
         assert (stats.layered_steps if mode == "layered" else stats.fused_steps) > 0
+        assert stats.layered_steps == 0 or mode == "layered"
         firsts = [expected[i][:1] + t for i, (t, _) in enumerate(results)]
         assert firsts == expected[:2]
         assert [t for t, _ in later] == expected[2:]
