@@ -293,12 +293,16 @@ def test_model_prefill_same_with_and_without_kernels(
     np.testing.assert_allclose(one_shot, without, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("rows", [2, 3, 5, 8, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16])
 @pytest.mark.parametrize("depth_cols", [(64, 96), (77, 13), (896, 130), (1024, 2100), (13, 7)])
-def test_small_gemm_matches_mlx(rows: int, depth_cols: tuple[int, int], any_isa: Any) -> None:
+def test_small_gemm_matches_mlx(
+    rows: int, depth_cols: tuple[int, int], any_isa: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A linear layer over a few rows (a batched decode step): odd depths exercise the
     vector tail, widths not a multiple of 4 the columns left after the 4-wide blocks and
-    the last work item, odd rows the row left after the 2-high blocks."""
+    the last work item, odd rows the row left after the 2-high blocks. Every row count
+    the kernel may take, whichever BLAS would take the rest."""
+    monkeypatch.setattr(cpu_kernels, "gemm_rows", lambda: (1, 16))
     depth, cols = depth_cols
     mx.random.seed(rows * 100 + depth)
     x = mx.random.normal((rows, 1, depth))
@@ -306,6 +310,22 @@ def test_small_gemm_matches_mlx(rows: int, depth_cols: tuple[int, int], any_isa:
     got = cpu_kernels.linear(x, weight)
     assert got is not None and got.shape == (rows, 1, cols)
     np.testing.assert_allclose(np.array(got), np.array(x @ weight.T), atol=1e-4, rtol=1e-5)
+
+
+def test_the_kernel_takes_the_row_counts_the_blas_is_slower_at(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from runtime import backend
+
+    cases = [
+        ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0", (1, 12)),
+        ("/venv/lib/libmkl_rt.so.2", (2, 16)),
+        (None, (2, 16)),
+    ]
+    for path, rows in cases:
+        choice = backend.BlasChoice(path, "test")
+        monkeypatch.setattr(backend, "blas_choice", lambda choice=choice: choice)
+        assert cpu_kernels.gemm_rows.__wrapped__() == rows, path
 
 
 def test_linear_layer_uses_the_kernel_only_where_it_applies(built: Any) -> None:
@@ -316,7 +336,8 @@ def test_linear_layer_uses_the_kernel_only_where_it_applies(built: Any) -> None:
     few, many = mx.random.normal((2, 3, 48)), mx.random.normal((1, 40, 48))
     assert cpu_kernels.linear(few, layer.weight) is not None
     assert cpu_kernels.linear(many, layer.weight) is None  # prefill-sized: MLX's GEMM
-    assert cpu_kernels.linear(few[:1, :1], layer.weight) is None  # one row: MLX's GEMV
+    one = cpu_kernels.linear(few[:1, :1], layer.weight)  # a row: the kernel, or the BLAS's
+    assert (one is None) == (cpu_kernels.gemm_rows()[0] > 1)
     assert cpu_kernels.linear(few.astype(mx.float16), layer.weight) is None
     assert cpu_kernels.linear(few, layer.weight.T) is None  # shapes do not fit
     for x in (few, many):

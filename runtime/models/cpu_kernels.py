@@ -33,6 +33,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from runtime import backend
+
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "MLX_GATEWAY_CPU_ATTENTION"
@@ -48,8 +50,12 @@ MIN_SCORES = 4096
 # in the small-GEMM kernel: it reads each weight row once for all rows, where the BLAS
 # packs the weights on every call and runs at half the speed of reading them (Qwen2.5-0.5B's
 # MLP and output projections, 2 threads: 16 rows in about 0.6x MKL's sgemm time; at 32
-# rows they are even, at 64 MKL is faster)
-MAX_GEMM_ROWS = 16
+# rows they are even, at 64 MKL is faster; one row: MKL's matrix-vector product is as
+# fast). OpenBLAS (chosen on AMD processors) does better with 16 rows (Qwen2.5-0.5B's
+# MLP: 1.3-1.6 ms where the kernel takes 2.2) and worse with one (its LM head: 54 ms,
+# the kernel 24), so with it the kernel takes 1 to 12 rows.
+GEMM_ROWS = (2, 16)
+GEMM_ROWS_OPENBLAS = (1, 12)
 GEMM_THREAD_FLOATS = 1 << 21  # weights smaller than this (8 MB) take one thread
 MAX_HEAD_DIM = 512  # the kernel's scratch bound (kernels.c MAX_DIM)
 _LIBRARY_DIR = Path(__file__).resolve().parent.parent / "_cpu"
@@ -264,11 +270,19 @@ def gated_mul(gate: mx.array, up: mx.array, activation: str) -> mx.array | None:
     return mx.array(out)
 
 
+@functools.cache
+def gemm_rows() -> tuple[int, int]:
+    """The fewest and most rows the small-GEMM kernel takes, by the BLAS loaded."""
+    choice = backend.blas_choice()
+    path = (choice.path or "") if choice is not None else ""
+    return GEMM_ROWS_OPENBLAS if "openblas" in Path(path).name else GEMM_ROWS
+
+
 def linear(x: mx.array, weight: mx.array) -> mx.array | None:
-    """x @ weight.T for a few float32 rows (`MAX_GEMM_ROWS`), or None to use MLX instead."""
+    """x @ weight.T for a few float32 rows (`gemm_rows`), or None to use MLX instead."""
     rows = x.size // x.shape[-1] if x.ndim else 0
     if (
-        not 2 <= rows <= MAX_GEMM_ROWS  # one row: MLX's matrix-vector product is as fast
+        not gemm_rows()[0] <= rows <= gemm_rows()[1]
         or weight.ndim != 2
         or x.dtype != mx.float32
         or weight.dtype != mx.float32
