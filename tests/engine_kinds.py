@@ -17,6 +17,8 @@ import pytest
 import tests.tiny_deepseek as tiny_deepseek
 import tests.tiny_hybrid as tiny_hybrid
 import tests.tiny_models as tiny_models
+from runtime.handle import RequestHandle
+from runtime.types import Finished, TextDelta
 
 # name -> (module that builds it, vocabulary size)
 KINDS: dict[str, tuple[Any, int]] = {
@@ -47,3 +49,15 @@ def prompt(n: int, seed: int, vocab: int) -> tuple[int, ...]:
     """n random token ids above the special ones."""
     rng = np.random.default_rng(seed)
     return tuple(int(t) for t in rng.integers(3, vocab, size=n))
+
+
+def collect(handle: RequestHandle) -> tuple[list[int], Finished]:
+    """A request's token ids and its Finished event, read to the end."""
+    tokens: list[int] = []
+    for event in handle:
+        if isinstance(event, TextDelta):
+            tokens.extend(event.token_ids)
+        else:
+            assert isinstance(event, Finished)
+            return tokens, event
+    raise AssertionError("no Finished event")

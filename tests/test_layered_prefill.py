@@ -34,8 +34,8 @@ from runtime.loader import load
 from runtime.prompt_prefill import PromptPrefill
 from runtime.runner import ModelRunner, RunnerSettings
 from runtime.sampling import Sampler
-from runtime.types import Finished, FinishReason, GenerationRequest, SamplingParams, TextDelta
-from tests.engine_kinds import KINDS, folder_maker, prompt
+from runtime.types import FinishReason, GenerationRequest, SamplingParams
+from tests.engine_kinds import KINDS, collect, folder_maker, prompt
 
 VOCAB = KINDS["llama"][1]
 
@@ -151,17 +151,6 @@ def _alone(folder: Path, tokens: tuple[int, ...], new: int) -> list[int]:
     return [s.token_id for s in run]
 
 
-def _events(handle: RequestHandle) -> tuple[list[int], Finished]:
-    out: list[int] = []
-    for event in handle:
-        if isinstance(event, TextDelta):
-            out.extend(event.token_ids)
-        else:
-            assert isinstance(event, Finished)
-            return out, event
-    raise AssertionError("no Finished event")
-
-
 def test_a_prompt_cancelled_halfway_through_a_chunk_leaves_a_sound_prefix(
     folders: Callable[[str], Path],
 ) -> None:
@@ -198,12 +187,12 @@ def test_a_prompt_cancelled_halfway_through_a_chunk_leaves_a_sound_prefix(
     assert chunk is not None and chunk.next == 1
     cancelled.cancel()
     step()
-    assert _events(cancelled)[1].reason is FinishReason.CANCELLED
+    assert collect(cancelled)[1].reason is FinishReason.CANCELLED
     later = admit(long, 8)
     while not sched.idle:
         step()
-    tokens, finished = _events(later)
+    tokens, finished = collect(later)
     assert finished.stats.cached_tokens == 16  # the first chunk, from the trie
     assert tokens == _alone(folder, long, 8)
-    assert _events(running)[0] == _alone(folder, prompt(6, 1, VOCAB), 30)
+    assert collect(running)[0] == _alone(folder, prompt(6, 1, VOCAB), 30)
     mx.clear_cache()

@@ -37,9 +37,9 @@ from runtime.prefix_cache import Key, PrefixCache, image_keys
 from runtime.prefix_disk import DiskTier
 from runtime.prefix_files import SUFFIX, TMP_SUFFIX, model_identity
 from runtime.runner import ModelRunner, RunnerSettings
-from runtime.types import Finished, GenerationRequest, SamplingParams, TextDelta
+from runtime.types import GenerationRequest, SamplingParams
 from tests.engine_kinds import KINDS as ENGINE_KINDS
-from tests.engine_kinds import folder_maker, prompt
+from tests.engine_kinds import collect, folder_maker, prompt
 from tests.recurrent_model import HybridModel
 from tests.test_prefix_cache import KINDS, Oracle, check_snapshots, run_request, tracked_snapshots
 
@@ -526,14 +526,9 @@ def _engine(folder: Path, *, budget: int, directory: Path | None) -> tuple[Engin
 
 
 def _collect(handle: RequestHandle) -> tuple[list[int], int]:
-    tokens: list[int] = []
-    for event in handle:
-        if isinstance(event, TextDelta):
-            tokens.extend(event.token_ids)
-        else:
-            assert isinstance(event, Finished) and event.error is None
-            return tokens, event.stats.cached_tokens
-    raise AssertionError("no Finished event")
+    tokens, finished = collect(handle)
+    assert finished.error is None
+    return tokens, finished.stats.cached_tokens
 
 
 def _prompt_for(i: int, results: list[tuple[list[int], int]], vocab: int) -> tuple[int, ...]:

@@ -22,7 +22,7 @@ import pytest
 
 import tests.tiny_models as tiny_models
 from runtime.cache.batch import BatchCaches
-from runtime.engine import Engine, RequestHandle
+from runtime.engine import Engine
 from runtime.generate import generate_tokens
 from runtime.loader import load
 from runtime.runner import ModelRunner, RunnerSettings
@@ -36,7 +36,7 @@ from runtime.types import (
     TextDelta,
 )
 from tests.engine_kinds import KINDS as ENGINE_KINDS
-from tests.engine_kinds import folder_maker, prompt
+from tests.engine_kinds import collect, folder_maker, prompt
 
 
 @pytest.fixture(scope="module")
@@ -68,17 +68,6 @@ def _scheduler(engine: Engine) -> Scheduler:
     return runner.scheduler
 
 
-def _collect(handle: RequestHandle) -> tuple[list[int], Finished]:
-    tokens: list[int] = []
-    for event in handle:
-        if isinstance(event, TextDelta):
-            tokens.extend(event.token_ids)
-        else:
-            assert isinstance(event, Finished)
-            return tokens, event
-    raise AssertionError("no Finished event")
-
-
 def _reference(folder: Path, request: GenerationRequest) -> list[int]:
     """The single-sequence loop (runtime/generate.py) on fresh caches: no scheduler."""
     loaded = load(folder)
@@ -100,7 +89,7 @@ def _alone(folder: Path, requests: Sequence[GenerationRequest]) -> list[list[int
     single-sequence loop."""
     engine = _engine(folder, max_batch=1, cache=False)
     try:
-        alone = [_collect(engine.submit(r))[0] for r in requests]
+        alone = [collect(engine.submit(r))[0] for r in requests]
     finally:
         engine.stop()
     assert alone == [_reference(folder, r) for r in requests]
@@ -115,7 +104,7 @@ def _together(
 
     def client(i: int) -> None:
         time.sleep(delays[i] if delays else 0.0)
-        results[i] = _collect(engine.submit(requests[i]))
+        results[i] = collect(engine.submit(requests[i]))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
     for t in threads:
@@ -190,8 +179,8 @@ def test_cancelled_sequences_leave_the_others_untouched(folders: Callable[[str],
                 if isinstance(event, TextDelta):
                     handle.cancel()
                     break
-        ends = [_collect(h)[1] for h in doomed]
-        results = [_collect(h) for h in kept]
+        ends = [collect(h)[1] for h in doomed]
+        results = [collect(h) for h in kept]
     finally:
         engine.stop()
     assert all(e.reason is FinishReason.CANCELLED for e in ends)
@@ -287,7 +276,7 @@ def test_prefill_chunks_ride_on_decode_steps(
             for handle in first:  # they decode before the long prompts come
                 next(e for e in handle if isinstance(e, TextDelta))
             later = _together(engine, arriving)
-            results = [_collect(h) for h in first]
+            results = [collect(h) for h in first]
             runner = engine._runner
             assert isinstance(runner, ModelRunner)
             stats = runner.scheduler.stats
