@@ -1,7 +1,7 @@
 """A prompt's chunk read a few layers per step, between the running batch's decode steps.
 
 On a CPU a matrix product of a few dozen rows runs well below the BLAS's speed on a few
-hundred: the weights are packed again on every call, for few rows to use them. A chunk
+hundred (likely because the weights are packed again on every call). A chunk
 that rides on a decode step (runtime/cache/ragged.py) must stay that small for the step
 to stay short, and its tokens then cost more than they do alone. Measured on
 Qwen2.5-Coder-0.5B at 8k tokens of context, float32, OpenBLAS, 2 cores (one token's
@@ -12,8 +12,8 @@ share of all 24 layers):
     a 2048-token chunk alone                          10.5 ms
     256-512 tokens through 1-2 layers                  8.4-9.2 ms
 
-So while sequences decode, the scheduler reads a prompt in chunks of a few hundred
-tokens instead, each a few layers per step: the chunk's hidden states wait between
+So while sequences decode, the scheduler reads a long prompt (more than
+`LayerPace.min_prompt` tokens left) in chunks of a few hundred tokens, a few layers per step: the chunk's hidden states wait between
 steps, and each layer's cache takes the chunk as it passes. The streams wait for a step
 of a few layers, and the prompt's tokens cost what they cost in a long chunk.
 
