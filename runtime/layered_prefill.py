@@ -13,8 +13,9 @@ share of all 24 layers):
     256-512 tokens through 1-2 layers                  8.4-9.2 ms
 
 So while sequences decode, the scheduler reads a long prompt (more than
-`LayerPace.min_prompt` tokens left) in chunks of a few hundred tokens, a few layers per step: the chunk's hidden states wait between
-steps, and each layer's cache takes the chunk as it passes. The streams wait for a step
+`LayerPace.min_prompt` tokens left) in chunks of a few hundred tokens, a few layers per
+step: the chunk's hidden states wait between steps, and each layer's cache takes the
+chunk as it passes. The streams wait for a step
 of a few layers, and the prompt's tokens cost what they cost in a long chunk.
 
 Only for bodies that are a plain stack (runtime/models/decoder.py's LayerStack: embed,
@@ -107,7 +108,12 @@ LAYERED_SHARE = 3.0
 LAYERED_CHUNK = 384
 MIN_LAYERED_CHUNK = 128
 FIRST_LAYERED_CHUNK = 256
-_EMA = 0.3  # weight of the newest measurement in the running average
+_EMA = 0.3  # weight of the newest measurement in a running average
+
+
+def running_average(old: float, new: float) -> float:
+    """`new` folded into the running average `old` (`new` itself when there is none)."""
+    return new if old <= 0 else (1 - _EMA) * old + _EMA * new
 
 
 class LayerPace:
@@ -145,5 +151,4 @@ class LayerPace:
     def measured(self, token_layers: int, own: float) -> None:
         """`token_layers` (tokens times layers) took `own` seconds."""
         if token_layers > 0 and own > 0:
-            per = own / token_layers
-            self.seconds = per if self.seconds <= 0 else (1 - _EMA) * self.seconds + _EMA * per
+            self.seconds = running_average(self.seconds, own / token_layers)

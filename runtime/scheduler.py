@@ -51,7 +51,7 @@ from runtime.cache.batch import BatchCaches, batchable
 from runtime.cache.kv import KVCache
 from runtime.cache.ragged import RaggedCache
 from runtime.generate import CausalLM, _read, _sample_arrays
-from runtime.layered_prefill import LayeredChunk, LayerPace, layer_stack
+from runtime.layered_prefill import LayeredChunk, LayerPace, layer_stack, running_average
 from runtime.models.base import fusable
 from runtime.prefix_cache import Key, Lease, PrefixCache
 from runtime.prefix_loan import RowState
@@ -80,7 +80,6 @@ MIN_FUSED_CHUNK = 32
 # a chunk's time less one decode step is its tokens' own time, but no less than this
 # share of it (a first step measured long, or a step estimate that outweighs the chunk)
 _MIN_OWN_SHARE = 0.25
-_EMA = 0.3  # weight of the newest measurement in the prefill rate's running average
 _PLAIN_STEPS = 9  # plain decode steps the decode step's time is the median of
 
 
@@ -425,9 +424,9 @@ class Scheduler:
         `LayerPace.min_prompt` tokens are left (a shorter rest rides if it can)."""
         if seq.layered is not None:
             return True
-        rest = len(seq.prefill.rest) if seq.prefill is not None and self._rows else 0
-        ready = self.layered and seq.images is None and self._rates()[0] > 0
-        return ready and rest > self._layer_pace.min_prompt
+        if not (self.layered and self._rows and seq.prefill and seq.images is None):
+            return False
+        return self._rates()[0] > 0 and len(seq.prefill.rest) > self._layer_pace.min_prompt
 
     def _layered_step(self, seq: _Seq, start: float) -> list[tuple[RequestHandle, Finished]]:
         """A few layers of the prompt's chunk (a new one if none is on the way); all it has
@@ -458,7 +457,7 @@ class Scheduler:
         """A chunk of `tokens` took `took` seconds, a forward's fixed cost included."""
         if tokens > 0 and took > 0:
             rate = tokens / self._own(took)
-            self._prefill_rate = rate if self._prefill_rate <= 0 else _avg(self._prefill_rate, rate)
+            self._prefill_rate = running_average(self._prefill_rate, rate)
             self.stats.prefill_chunk_tokens = tokens
 
     def _own(self, took: float) -> float:
@@ -585,10 +584,6 @@ class Scheduler:
 def _shift(seq: _Seq) -> int:
     """Rotary position minus offset of the sequence's decode steps (multimodal RoPE)."""
     return 0 if seq.images is None else seq.images.shift
-
-
-def _avg(old: float, new: float) -> float:
-    return (1 - _EMA) * old + _EMA * new
 
 
 def _copy(caches: Sequence[Any], fresh: list[Any]) -> list[Any]:

@@ -281,8 +281,9 @@ def gemm_rows() -> tuple[int, int]:
 def linear(x: mx.array, weight: mx.array) -> mx.array | None:
     """x @ weight.T for a few float32 rows (`gemm_rows`), or None to use MLX instead."""
     rows = x.size // x.shape[-1] if x.ndim else 0
+    fewest, most = gemm_rows()
     if (
-        not gemm_rows()[0] <= rows <= gemm_rows()[1]
+        not fewest <= rows <= most
         or weight.ndim != 2
         or x.dtype != mx.float32
         or weight.dtype != mx.float32
