@@ -44,6 +44,9 @@ class PromptPrefill:
         self.images = images  # a chunk never ends inside an image's span
         if images is not None:
             self.marks = images.marks(self.marks)
+        for c in self.caches:
+            if isinstance(c, KVCache):
+                c.reserve(len(prompt))
 
     @property
     def done(self) -> bool:

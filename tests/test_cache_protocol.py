@@ -91,6 +91,27 @@ def test_kv_rewind_rules() -> None:
     assert cache.snapshot(2) is None  # nothing past the offset to copy
 
 
+def test_kv_reserve_reads_a_prompt_into_one_buffer() -> None:
+    """Room reserved for a prompt: its chunks fill one buffer (no copy of the cache at
+    every growth), before the first write or after some, with the tokens held intact."""
+    fresh = KVCache(step=4)
+    fresh.reserve(10)
+    _feed(fresh, [3])
+    assert fresh.keys is not None and fresh.keys.shape[2] == 12  # 10, rounded up to the step
+    _feed(fresh, [3, 4], start=3)
+    assert fresh.keys.shape[2] == 12 and _held(fresh) == list(range(10))
+    _feed(fresh, [3], start=10)  # past the room reserved: grows by the step as before
+    assert fresh.keys.shape[2] == 16
+    assert _held(fresh) == list(range(13))
+
+    held = KVCache(step=4)
+    _feed(held, [5])
+    held.reserve(20)
+    assert held.keys is not None and held.keys.shape[2] == 20 and _held(held) == list(range(5))
+    _feed(held, [7, 8], start=5)
+    assert held.keys.shape[2] == 20 and _held(held) == list(range(20))
+
+
 def test_kv_split_then_restore_in_sequence() -> None:
     cache = KVCache(step=4)
     _feed(cache, [10])

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from runtime.cache import LayerCache, RecurrentCache, RecurrentSnapshot
+from runtime.cache import KVCache, LayerCache, RecurrentCache, RecurrentSnapshot
 from runtime.models import LanguageModel
 from runtime.prefix_cache import PrefixCache
 from runtime.prompt_prefill import PromptPrefill
@@ -120,3 +120,25 @@ def test_a_sliding_window_still_stops_at_each_point(tmp_path_factory: Any) -> No
     if not inside:
         pytest.skip("gemma3's window rewinds here: no snapshot points")
     assert counting.forwards == len(inside) + 1
+
+
+def test_a_long_prompt_fills_one_reserved_buffer(tmp_path_factory: Any) -> None:
+    # every KV layer makes room for the whole prompt before the first chunk: chunks then
+    # write into one buffer instead of copying the cache each time it grows
+    models = TinyModels(tmp_path_factory, make_dense)
+    model = load_mlx(models["llama"][1])
+    pc: PrefixCache[LayerCache] = PrefixCache(model.make_caches, budget_bytes=BIG)
+    prompt = _prompt(700, seed=8)
+    lease = pc.begin(prompt)
+    reading = PromptPrefill(lease, prompt)
+    reading.run(_Counting(model), 100, lambda at: None)
+    capacities = {
+        c.keys.shape[2] for c in lease.caches if isinstance(c, KVCache) and c.keys is not None
+    }
+    assert capacities == {768}  # 700 rounded up to the 256-token step, not 256
+    while not reading.done:
+        reading.run(_Counting(model), 100, lambda at: None)
+    got = forward(model, np.array([prompt[-1:]], np.int32), lease.caches)
+    cold = forward(model, np.array([prompt], np.int32), model.make_caches())[:, -1:]
+    np.testing.assert_allclose(got, cold, atol=ATOL, rtol=0)
+    pc.discard(lease)
