@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+from runtime.cache.kv import reserve_prompt
 from runtime.sampling import Sampler, SampleResult
 
 DEFAULT_PREFILL_CHUNK = 2048
@@ -71,6 +72,7 @@ def prefill(
         raise ValueError("cannot generate from an empty prompt")
     rest = list(tokens)
     chunk = max(1, chunk)
+    reserve_prompt(caches, offset + len(rest))
     marks = sorted(p for p in pauses if offset < p)
     while True:
         if marks and marks[0] == offset:

@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from runtime.cache.kv import KVCache
+from runtime.cache.kv import KVCache, reserve_prompt
 from runtime.cache.recurrent import RecurrentCache
 from runtime.generate import CausalLM
 from runtime.prefix_cache import Lease
@@ -44,9 +44,7 @@ class PromptPrefill:
         self.images = images  # a chunk never ends inside an image's span
         if images is not None:
             self.marks = images.marks(self.marks)
-        for c in self.caches:
-            if isinstance(c, KVCache):
-                c.reserve(len(prompt))
+        reserve_prompt(self.caches, len(prompt))
 
     @property
     def done(self) -> bool:

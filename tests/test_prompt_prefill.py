@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from runtime import generate
 from runtime.cache import KVCache, LayerCache, RecurrentCache, RecurrentSnapshot
 from runtime.models import LanguageModel
 from runtime.prefix_cache import PrefixCache
@@ -142,3 +143,24 @@ def test_a_long_prompt_fills_one_reserved_buffer(tmp_path_factory: Any) -> None:
     cold = forward(model, np.array([prompt], np.int32), model.make_caches())[:, -1:]
     np.testing.assert_allclose(got, cold, atol=ATOL, rtol=0)
     pc.discard(lease)
+
+
+def test_the_single_sequence_prefill_reserves_too(tmp_path_factory: Any) -> None:
+    models = TinyModels(tmp_path_factory, make_dense)
+    model = load_mlx(models["llama"][1])
+    caches = model.make_caches()
+    prompt = _prompt(700, seed=9)
+    generate.prefill(model, caches, prompt[:40])  # a turn the caches already hold
+    seen: list[set[int]] = []  # the layers' capacities after the first chunk
+
+    def first_chunk(_: int) -> None:
+        seen.append({c.keys.shape[2] for c in caches if isinstance(c, KVCache)})
+
+    rest = generate.prefill(
+        model, caches, prompt[39:], chunk=100, offset=39, pauses=(139,), on_pause=first_chunk
+    )
+    assert rest == prompt[-1:]
+    assert seen == [{768}]  # 700 rounded up to the 256-token step, not 256
+    got = forward(model, np.array([rest], np.int32), caches)
+    cold = forward(model, np.array([prompt], np.int32), model.make_caches())[:, -1:]
+    np.testing.assert_allclose(got, cold, atol=ATOL, rtol=0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 
 from runtime.cache.mask import Mask, window_mask
@@ -180,3 +182,11 @@ class KVCache:
         if not 0 <= offset <= min(keys.shape[2], values.shape[2]):
             raise ValueError(f"offset {offset} outside buffers of {keys.shape[2]} columns")
         self.keys, self.values, self._offset = keys, values, offset
+
+
+def reserve_prompt(caches: Sequence[object], tokens: int) -> None:
+    """Every KV layer among `caches` makes room for a prompt of `tokens` tokens in all,
+    before its first chunk is read (`KVCache.reserve`)."""
+    for c in caches:
+        if isinstance(c, KVCache):
+            c.reserve(tokens)
