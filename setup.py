@@ -1,7 +1,7 @@
-"""Builds the optional CPU kernels (runtime/_cpu/kernels.c) next to the package.
+"""Builds the optional CPU kernels (runtime/kernels/kernels.c) next to the package.
 
 Everything else about the distribution is in pyproject.toml. The extension is a plain C
-shared library loaded with ctypes (runtime/models/cpu_kernels.py), not a Python module;
+shared library loaded with ctypes (runtime/kernels/bridge.py), not a Python module;
 `optional=True` lets an install without a working C compiler succeed, and the runtime
 then falls back to MLX's own ops with one warning.
 """
@@ -23,8 +23,8 @@ _FLAGS = (
 setup(
     ext_modules=[
         Extension(
-            "runtime._cpu._kernels",
-            sources=["runtime/_cpu/kernels.c"],
+            "runtime.kernels._kernels",
+            sources=["runtime/kernels/kernels.c"],
             extra_compile_args=_FLAGS,
             extra_link_args=[] if sys.platform == "win32" else ["-pthread"],
             optional=True,

@@ -26,9 +26,9 @@ from typing import Any
 
 import jsonschema
 
-from runtime.engine import Engine, RequestHandle
-from runtime.loader import LoadedModel
-from runtime.runner import ModelRunner, RunnerSettings
+from runtime.engine.engine import Engine, RequestHandle
+from runtime.engine.runner import ModelRunner, RunnerSettings
+from runtime.load.loader import LoadedModel
 from runtime.types import (
     Constraint,
     Finished,

@@ -6,7 +6,7 @@ hermes tool call over the opencode client's ten tools. Decode speed is tokens af
 the first over the time from the first token to the last (prefill excluded), the
 best of `--repeats` alternating runs (the machine is shared: slower runs measure the
 neighbours); the ratio constrained / free is printed
-(the issue's target is >= 0.9x). Runs go through runtime.generate directly, so what
+(the issue's target is >= 0.9x). Runs go through runtime.batch.generate directly, so what
 differs is only the grammar work: the mask computed on the CPU while the device runs
 the next forward, and the masked sampling.
 
@@ -40,10 +40,10 @@ from runtime import backend  # noqa: E402
 backend.configure()
 
 from bench._batched_constrained import BatchCase, bench_batched, schema_check, tool_check  # noqa: E402
-from runtime.constraints import GrammarVocabulary, TokenMatcher, json_schema_constraint  # noqa: E402
-from runtime.generate import generate_tokens  # noqa: E402
-from runtime.loader import LoadedModel, load  # noqa: E402
-from runtime.sampling import Sampler  # noqa: E402
+from runtime.batch.generate import generate_tokens  # noqa: E402
+from runtime.load.loader import LoadedModel, load  # noqa: E402
+from runtime.text.constraints import GrammarVocabulary, TokenMatcher, json_schema_constraint  # noqa: E402
+from runtime.text.sampling import Sampler  # noqa: E402
 from runtime.types import Constraint, SamplingParams  # noqa: E402
 
 PROMPT = (

@@ -1,7 +1,7 @@
 """Prefill and decode speed of the gateway against mlx-lm, measured in the same run.
 
 For each model three configurations run, each in its own process:
-  gateway      our engine (runtime.runner via runtime.engine), float32, optimized BLAS
+  gateway      our engine (runtime.engine.runner via runtime.engine.engine), float32, optimized BLAS
   mlx-lm f32   mlx_lm.generate_step on the *same* float32 weights, same BLAS preloaded
   mlx-lm bf16  mlx-lm as a user runs it out of the box: bf16 weights, stock MLX wheel
 and a BLAS probe times the model's own matmul shapes, to say how close prefill gets
@@ -42,7 +42,7 @@ def _export_hf(gguf: Path, out: Path, dtype: str) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from runtime.loader import load
+    from runtime.load.loader import load
 
     loaded = load(gguf)
     flat: list[tuple[str, mx.array]] = tree_flatten(loaded.model.parameters())  # type: ignore[assignment]
@@ -57,9 +57,9 @@ def _export_hf(gguf: Path, out: Path, dtype: str) -> None:
 def worker_gateway(gguf: Path, prompt_tokens: int, gen_tokens: int, repeats: int) -> dict[str, Any]:
     import dataclasses
 
-    from runtime.engine import Engine
-    from runtime.loader import load
-    from runtime.runner import ModelRunner
+    from runtime.engine.engine import Engine
+    from runtime.engine.runner import ModelRunner
+    from runtime.load.loader import load
     from runtime.types import Finished, GenerationRequest, SamplingParams
 
     loaded = load(gguf)
@@ -114,7 +114,7 @@ def worker_blas(gguf: Path, prompt_tokens: int) -> dict[str, Any]:
     """Time the model's matmuls at prefill shape alone: the BLAS's ceiling for prefill."""
     import mlx.core as mx
 
-    from runtime.loader import load
+    from runtime.load.loader import load
 
     loaded = load(gguf)
     cfg = loaded.config

@@ -2,7 +2,7 @@
 tensor and pipeline parallel, against one process, measured in the same run.
 
 For each model, each configuration runs in processes of its own:
-  1 process      the plain engine (runtime.runner.ModelRunner), no group
+  1 process      the plain engine (runtime.engine.runner.ModelRunner), no group
   1 rank         the lockstep engine over a group of one (its control rounds alone)
   N ranks MODE   `mlx.launch -n N` on this host: every rank loads its part
                  (runtime.distributed.load_sharded), rank 0 leads the engine
@@ -110,9 +110,9 @@ def worker(args: argparse.Namespace) -> None:
     from runtime.distributed.channel import Channel
     from runtime.distributed.follower import follow
     from runtime.distributed.lockstep import LockstepRunner
-    from runtime.engine import Engine
-    from runtime.loader import load
-    from runtime.runner import ModelRunner, RunnerSettings
+    from runtime.engine.engine import Engine
+    from runtime.engine.runner import ModelRunner, RunnerSettings
+    from runtime.load.loader import load
 
     settings = RunnerSettings(prefix_cache_bytes=0, max_batch=max(1, args.batch))
     if args.config == "process":

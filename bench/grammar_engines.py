@@ -1,5 +1,5 @@
 """Grammar engines for constrained decoding, measured side by side on this machine's CPU:
-llguidance (the one runtime/constraints.py uses) against xgrammar.
+llguidance (the one runtime/text/constraints.py uses) against xgrammar.
 
 For each vocabulary (Qwen3 and Gemma 3 tokenizer.json from the npm tokenizer packages,
 Qwen2.5-Coder's GGUF tokenizer) and each schema, a valid document is drawn once (a random
@@ -56,12 +56,12 @@ FREE_TEXT = (
 
 def _hf_tokenizer(vocab: str) -> tuple[Any, list[int], int]:
     """(tokenizers.Tokenizer, eos ids, model vocab size) for one vocabulary."""
-    from runtime.tokenizer import Tokenizer
+    from runtime.text.tokenizer import Tokenizer
     from tests.fixtures_real import npm_tokenizer_dir
 
     if vocab == "qwen2.5-gguf":
         from gateway.cli.store import Store
-        from runtime.gguf import GGUFFile
+        from runtime.load.gguf.reader import GGUFFile
 
         gguf = GGUFFile(Store().resolve("qwen2.5-coder-0.5b"))
         tok = Tokenizer.from_gguf(gguf)

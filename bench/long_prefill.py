@@ -4,7 +4,7 @@ Agents open every session with one long prompt. For each prompt (see bench/_long
 the OpenClaw, Codex and Claude Code first requests rendered by the gateway's own adapters
 and the model's chat template, and synthetic code prompts of a given token count, with
 512 tokens as the reference), the same token ids go to:
-  gateway    runtime.loader + the server's engine (build_served), prefix cache off, one
+  gateway    runtime.load.loader + the server's engine (build_served), prefix cache off, one
              request at a time: float32 weights, optimized BLAS, the server's chunking
   llama.cpp  llama-cpp-python on the same GGUF (its native quantized kernels),
              `Llama.eval(ids)`, --llama-threads threads, --llama-batch batch
@@ -175,7 +175,7 @@ def worker_gateway(gguf: Path, ids: list[int], gen: int) -> dict[str, Any]:
     import mlx.core as mx
 
     from gateway.core.serving import build_served
-    from runtime.loader import load
+    from runtime.load.loader import load
     from runtime.types import Finished, GenerationRequest, SamplingParams, TextDelta
 
     # EOS ignored: every run decodes the same number of tokens

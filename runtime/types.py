@@ -74,7 +74,7 @@ ReasoningLead = Literal["none", "open", "optional"]
 
 @dataclass(frozen=True)
 class Constraint:
-    """A grammar the output must follow, token by token (runtime/constraints.py compiles
+    """A grammar the output must follow, token by token (runtime/text/constraints.py compiles
     it against the model's vocabulary).
 
     `grammar` is Lark text in llguidance's dialect whose `start` rule is the answer; a

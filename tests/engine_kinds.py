@@ -17,7 +17,7 @@ import pytest
 import tests.tiny_deepseek as tiny_deepseek
 import tests.tiny_hybrid as tiny_hybrid
 import tests.tiny_models as tiny_models
-from runtime.handle import RequestHandle
+from runtime.batch.handle import RequestHandle
 from runtime.types import Finished, TextDelta
 
 # name -> (module that builds it, vocabulary size)

@@ -6,7 +6,7 @@ that tests/test_faults.py can kill the process -9 while a write is under way, ev
 The first prefix-cache file written puts FRACTION of its bytes under its temporary name
 (fsynced, so they are on disk whatever happens next), prints one line naming it to
 stderr, and then blocks forever; later jobs queue behind it. Nothing in the product
-changes: the launcher replaces `runtime.prefix_files.save_file`, the one function
+changes: the launcher replaces `runtime.prefix.disk.files.save_file`, the one function
 `write_entry` calls to put the bytes down, before the CLI starts.
 """
 
@@ -40,7 +40,7 @@ def _stalling_save(fraction: float) -> Callable[..., None]:
 def main(argv: list[str]) -> int:
     fraction, *rest = argv
     backend.configure()  # before anything imports mlx
-    import runtime.prefix_files as prefix_files
+    import runtime.prefix.disk.files as prefix_files
     from gateway.cli.main import main as cli
 
     setattr(prefix_files, "save_file", _stalling_save(float(fraction)))  # noqa: B010

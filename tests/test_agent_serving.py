@@ -33,8 +33,8 @@ from gateway.core.serving import build_served, sampling_defaults  # noqa: E402
 from gateway.core.settings import DEFAULT_MAX_TOKENS, ServerSettings  # noqa: E402
 from gateway.openai import adapt as adapters  # noqa: E402
 from gateway.openai import wire  # noqa: E402
-from runtime.gguf import GGUFFile  # noqa: E402
-from runtime.loader import gguf_generation_config  # noqa: E402
+from runtime.load.gguf.reader import GGUFFile  # noqa: E402
+from runtime.load.loader import gguf_generation_config  # noqa: E402
 from runtime.types import PrefixPin, SamplingParams  # noqa: E402
 from tests.live_server import live_server  # noqa: E402
 from tests.openai_checks import chat_body, error_of, post  # noqa: E402
@@ -284,7 +284,7 @@ def test_strict_max_tokens_keeps_openais_400(strict_url: str) -> None:
 
 
 def test_cache_misses_are_explained(url: str, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="runtime.runner")
+    caplog.set_level(logging.DEBUG, logger="runtime.engine.runner")
     system = {"role": "system", "content": "You answer about the weather."}
     first = [system, {"role": "user", "content": "Is it raining in Paris?"}]
     second = [system, {"role": "user", "content": "Is it snowing in Oslo?"}]

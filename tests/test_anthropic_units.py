@@ -20,7 +20,7 @@ from gateway.anthropic.emit import (
 from gateway.anthropic.routes import error_events
 from gateway.core.errors import InternalError, InvalidRequest
 from parsers.events import Content, Event, Reasoning, ToolCallArgs, ToolCallEnd, ToolCallStart
-from runtime.stops import StopMatcher
+from runtime.text.stops import StopMatcher
 from runtime.types import Finished, FinishReason, GenerationStats
 from templates.types import ImagePart, TextPart
 from tests.anthropic_checks import (

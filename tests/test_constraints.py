@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding (runtime/constraints.py, the constrained decode loop):
+"""Grammar-constrained decoding (runtime/text/constraints.py, the constrained decode loop):
 a tiny random Qwen3, whose free output is noise, writes documents the `jsonschema`
 package accepts for every schema of the test set and every tool schema of the real
 clients' captures; forced tool calls parse to declared tools with valid arguments.
@@ -23,7 +23,9 @@ import pytest
 
 from gateway.core.structured import marker_tag
 from parsers.grammars import call_grammar, free_calls
-from runtime.constraints import (
+from runtime.batch.generate import generate_tokens
+from runtime.load.loader import LoadedModel, load
+from runtime.text.constraints import (
     ConstraintError,
     GrammarVocabulary,
     TokenMatcher,
@@ -31,9 +33,7 @@ from runtime.constraints import (
     json_schema_constraint,
     lark_constraint,
 )
-from runtime.generate import generate_tokens
-from runtime.loader import LoadedModel, load
-from runtime.sampling import Sampler
+from runtime.text.sampling import Sampler
 from runtime.types import Constraint, ReasoningBudget, SamplingParams
 from tests.schema_cases import (
     SCHEMAS,

@@ -21,7 +21,8 @@ import pytest
 from mlx.utils import tree_map
 
 from runtime.cache import KVCache, Mask
-from runtime.models import base, build_model, cpu_kernels
+from runtime.kernels import bridge as cpu_kernels
+from runtime.models import base, build_model
 
 ATOL = 1e-5
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models
 
-from runtime.detokenizer import (
+from runtime.text.detokenizer import (
     DecoderKind,
     DetokenizerTable,
     StreamingDetokenizer,

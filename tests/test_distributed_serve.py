@@ -50,7 +50,13 @@ from safetensors.numpy import save_file
 from gateway.core.serving import EngineSettings, build_served
 from runtime.distributed.channel import Channel, Command, Round
 from runtime.distributed.replica import GroupMemory, LockstepPrefixCache
-from runtime.engine import Engine, EngineFailure, EngineState, EngineUnavailable, RequestHandle
+from runtime.engine.engine import (
+    Engine,
+    EngineFailure,
+    EngineState,
+    EngineUnavailable,
+    RequestHandle,
+)
 from runtime.types import Finished, FinishReason, GenerationRequest, TextDelta
 from tests.live_server import free_port, live_server, pid_alive
 from tests.openai_checks import chat_body, chat_chunks, error_of, post, stream

@@ -557,7 +557,7 @@ def save_every_architecture(root: Path, reference: Callable[[Any, Path], None]) 
         pytest.skip(f"no mlx.launch next to {sys.executable}")
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from runtime.loader import load
+    from runtime.load.loader import load
     from tests import tiny_models
 
     for name, (builder, spread) in _builders().items():
@@ -583,7 +583,7 @@ _QUANTIZED = {
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every tiny model saved as a checkpoint, with the single-process run's results."""
-    from runtime.loader import load
+    from runtime.load.loader import load
     from tests import tiny_models, tiny_moe
     from tests.distributed_worker import write_reference
 

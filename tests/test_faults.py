@@ -38,8 +38,8 @@ from safetensors.numpy import load_file, save_file
 
 from gateway.core.served import ServedModel
 from gateway.core.serving import build_served
-from runtime.engine import Engine
-from runtime.prefix_files import SUFFIX, TMP_SUFFIX, BadEntry, read_header
+from runtime.engine.engine import Engine
+from runtime.prefix.disk.files import SUFFIX, TMP_SUFFIX, BadEntry, read_header
 from tests.anthropic_checks import check_error, check_message, check_stream, read_events
 from tests.fault_serve import STALLED
 from tests.live_server import free_port, live_server

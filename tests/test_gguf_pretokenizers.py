@@ -24,9 +24,9 @@ from gguf import GGUFWriter
 from tokenizers import Regex, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from runtime.gguf import GGUFFile
-from runtime.gguf_tokenizer import CONTROL, NORMAL, USER_DEFINED, build_hf_tokenizer
-from runtime.tokenizer import Tokenizer
+from runtime.load.gguf.reader import GGUFFile
+from runtime.load.gguf.tokenizer import CONTROL, NORMAL, USER_DEFINED, build_hf_tokenizer
+from runtime.text.tokenizer import Tokenizer
 
 _SPLIT = '"behavior": "Isolated", "invert": false'
 _BYTE_LEVEL = (

@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 
 from gateway.core.images import ImageFetchError, ImagePolicy, read_data_url, read_source
 from gateway.core.serving import build_served
-from runtime.images import (
+from runtime.vision.preprocess import (
     ImageLimits,
     ImageTooLarge,
     ImageUnreadable,

@@ -1,4 +1,4 @@
-"""Prompts read a few layers per step (runtime/layered_prefill.py).
+"""Prompts read a few layers per step (runtime/batch/layered_prefill.py).
 
 A chunk taken through the layers in several steps leaves every layer's cache exactly as
 one forward of the same chunk does, records the trie's snapshot points inside it, and,
@@ -19,9 +19,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runtime.generate import generate_tokens
-from runtime.handle import RequestHandle, _ThreadSink
-from runtime.layered_prefill import (
+from runtime.batch.generate import generate_tokens
+from runtime.batch.handle import RequestHandle, _ThreadSink
+from runtime.batch.layered_prefill import (
     FIRST_LAYERED_CHUNK,
     LAYERED_CHUNK,
     LAYERED_SHARE,
@@ -30,10 +30,10 @@ from runtime.layered_prefill import (
     LayerPace,
     layer_stack,
 )
-from runtime.loader import load
-from runtime.prompt_prefill import PromptPrefill
-from runtime.runner import ModelRunner, RunnerSettings
-from runtime.sampling import Sampler
+from runtime.batch.prompt_prefill import PromptPrefill
+from runtime.engine.runner import ModelRunner, RunnerSettings
+from runtime.load.loader import load
+from runtime.text.sampling import Sampler
 from runtime.types import FinishReason, GenerationRequest, SamplingParams
 from tests.engine_kinds import KINDS, collect, folder_maker, prompt
 

@@ -17,9 +17,9 @@ from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize as reference_dequantize
 from mlx.utils import tree_flatten
 
-from runtime.gguf_names import hf_name, unpermute_rows
-from runtime.gguf_quants import dequantize, to_affine
-from runtime.loader import load
+from runtime.load.gguf.names import hf_name, unpermute_rows
+from runtime.load.gguf.quants import dequantize, to_affine
+from runtime.load.loader import load
 from tests.gguf_helpers import TOKENS, llama_cpp_permute, our_logits, torch_logits
 
 # -- GGML block decoding ---------------------------------------------------------------------

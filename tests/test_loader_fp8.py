@@ -4,7 +4,7 @@ torch's float8_e4m3fn (hidden 160, intermediate 320: partial 128-blocks on both 
 loaded, their logits equal transformers' float32 model with the dequantized weights
 (fp8 value x block scale) to 1e-4 over a prefill and decode steps, and the weights are
 the fp8-rounded ones, not the originals; kept quantized they become MLX 8-bit; what
-runtime/fp8.py cannot load is a ValueError naming the field or tensor."""
+runtime/load/fp8.py cannot load is a ValueError naming the field or tensor."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch
 from mlx.nn.layers.quantized import QuantizedLinear
 from mlx.utils import tree_flatten
 
-from runtime.loader import load
+from runtime.load.loader import load
 from runtime.models.moe import QuantizedSwitchLinear
 from tests.gguf_helpers import TOKENS
 from tests.model_checks import TinyModels, chunked

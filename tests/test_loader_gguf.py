@@ -15,9 +15,9 @@ from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize as reference_dequantize
 from mlx.utils import tree_flatten
 
-from runtime.gguf import GGUFFile
-from runtime.gguf_names import unpermute_rows
-from runtime.loader import LoadedModel, load
+from runtime.load.gguf.names import unpermute_rows
+from runtime.load.gguf.reader import GGUFFile
+from runtime.load.loader import LoadedModel, load
 from tests.gguf_helpers import (
     LLAMA3,
     TOKENS,
@@ -371,7 +371,7 @@ def test_real_gguf_chat_models_answer(real_gguf: tuple[str, Path, LoadedModel]) 
 @pytest.mark.real_model
 def test_affine_blocks_equal_mlx_own_gguf_reader(smollm2_gguf: Path) -> None:
     """mx.load reads Q4_1/Q8_0 GGUF tensors as MLX triplets itself: ours are identical."""
-    from runtime.gguf_quants import to_affine
+    from runtime.load.gguf.quants import to_affine
 
     theirs = mx.load(str(smollm2_gguf))
     assert isinstance(theirs, dict)

@@ -25,8 +25,8 @@ from gguf.constants import GGMLQuantizationType as QT
 from mlx.nn.layers.quantized import QuantizedLinear
 from mlx.utils import tree_flatten
 
-from runtime.gguf import GGUFFile
-from runtime.loader import LoadedModel, load
+from runtime.load.gguf.reader import GGUFFile
+from runtime.load.loader import LoadedModel, load
 from runtime.models.moe import GROUP_MAX, QuantizedSwitchLinear, SparseMoE, SwitchLinear
 from tests.gguf_helpers import TOKENS
 from tests.gguf_moe_cases import CASES, build, llama_cpp_routing

@@ -23,12 +23,12 @@ from mlx.nn.layers.quantized import QuantizedLinear, quantize
 from mlx.utils import tree_flatten
 
 from runtime.cache import KVCache, LatentCache
-from runtime.loader import load
+from runtime.load.loader import load
 from runtime.models import build_model, supported_model_types
 from runtime.models.deepseek_v3 import Model, ModelArgs
 from runtime.models.mla import MLAConfig, MultiLatentAttention, use_absorbed
 from runtime.models.moe import SparseMoE
-from runtime.prefix_cache import PrefixCache
+from runtime.prefix.cache import PrefixCache
 from tests.model_checks import (
     TinyModels,
     assert_matches_transformers,

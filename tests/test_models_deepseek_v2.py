@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 from mlx.nn.layers.linear import Linear
 
-from runtime.loader import load
+from runtime.load.loader import load
 from runtime.models import build_model, supported_model_types
 from runtime.models.deepseek_v2 import Model, ModelArgs
 from runtime.models.moe import GROUP_MAX, GROUP_TOP2, SparseMoE, softmax_topk

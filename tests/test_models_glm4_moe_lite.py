@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 import transformers
 
 from runtime.cache import LatentCache
-from runtime.loader import load
+from runtime.load.loader import load
 from runtime.models import build_model, supported_model_types
 from runtime.models.glm4_moe_lite import Model, ModelArgs
 from runtime.models.moe import SparseMoE

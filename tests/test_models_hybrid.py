@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from runtime.cache import KVCache, LayerCache, RecurrentCache, RecurrentSnapshot
-from runtime.loader import load
+from runtime.load.loader import load
 from runtime.models import LanguageModel, build_model
 from runtime.models.gated_delta import (
     GatedDeltaNet,
@@ -26,8 +26,8 @@ from runtime.models.gated_delta import (
     unit_lower_inverse,
 )
 from runtime.models.qwen3_next import LINEAR_ATTENTION, sanitize_hybrid
-from runtime.prefix_cache import PrefixCache
-from runtime.vision import grid_of
+from runtime.prefix.cache import PrefixCache
+from runtime.vision.spans import grid_of
 from tests.model_checks import (
     TinyModels,
     assert_matches_transformers,

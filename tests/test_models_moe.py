@@ -1,6 +1,6 @@
 """MoE architectures (qwen3_moe, glm4_moe) against transformers on tiny random models, the
 routers against a numpy reference, the expert stacks' gather paths (sorted, unsorted,
-quantized), checkpoint layouts, and loading + serving through runtime.loader."""
+quantized), checkpoint layouts, and loading + serving through runtime.load.loader."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ pytest.importorskip("transformers")
 from mlx.nn.layers.quantized import quantize as quantize_modules
 from mlx.utils import tree_flatten
 
-from runtime.engine import Engine
-from runtime.loader import load
+from runtime.engine.engine import Engine
+from runtime.engine.runner import ModelRunner, RunnerSettings
+from runtime.load.loader import load
 from runtime.models import build_model, supported_model_types
 from runtime.models.moe import (
     SORT_THRESHOLD,
@@ -30,7 +31,6 @@ from runtime.models.moe import (
     softmax_topk,
     stack_experts,
 )
-from runtime.runner import ModelRunner, RunnerSettings
 from runtime.types import Finished, GenerationRequest, SamplingParams, TextDelta
 from tests.model_checks import (
     TinyModels,

@@ -27,19 +27,11 @@ from PIL import Image  # noqa: E402
 
 from gateway.core.images import expand_markers, place_images  # noqa: E402
 from gateway.core.serving import build_served  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
-from runtime.images import (  # noqa: E402
-    GridResize,
-    ImageLimits,
-    Preprocessing,
-    digest,
-    prepare_image,
-    preprocess,
-)
-from runtime.loader import load  # noqa: E402
+from runtime.engine.engine import Engine  # noqa: E402
+from runtime.engine.runner import ModelRunner, RunnerSettings  # noqa: E402
+from runtime.load.loader import load  # noqa: E402
 from runtime.models import qwen3_vision  # noqa: E402
 from runtime.models.qwen3_vision import patchify  # noqa: E402
-from runtime.runner import ModelRunner, RunnerSettings  # noqa: E402
 from runtime.types import (  # noqa: E402
     Finished,
     GenerationRequest,
@@ -47,7 +39,15 @@ from runtime.types import (  # noqa: E402
     SamplingParams,
     TextDelta,
 )
-from runtime.vision import PromptImages  # noqa: E402
+from runtime.vision.preprocess import (  # noqa: E402
+    GridResize,
+    ImageLimits,
+    Preprocessing,
+    digest,
+    prepare_image,
+    preprocess,
+)
+from runtime.vision.spans import PromptImages  # noqa: E402
 from tests.live_server import live_server  # noqa: E402
 from tests.model_checks import TinyModels  # noqa: E402
 from tests.openai_checks import post  # noqa: E402

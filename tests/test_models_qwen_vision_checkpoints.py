@@ -21,8 +21,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from runtime.loader import load  # noqa: E402
-from runtime.vision import PromptImages, grid_of  # noqa: E402
+from runtime.load.loader import load  # noqa: E402
+from runtime.vision.spans import PromptImages, grid_of  # noqa: E402
 from tests.model_checks import TinyModels, assert_matches_transformers, forward  # noqa: E402
 from tests.tiny_hybrid import _MOE, _randomize  # noqa: E402
 from tests.tiny_models import (  # noqa: E402

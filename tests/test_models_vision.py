@@ -20,18 +20,10 @@ transformers = pytest.importorskip("transformers")
 
 from PIL import Image  # noqa: E402
 
-from runtime.engine import Engine  # noqa: E402
-from runtime.images import (  # noqa: E402
-    ImageLimits,
-    Preprocessing,
-    digest,
-    open_image,
-    prepare_image,
-    preprocess,
-)
-from runtime.loader import load  # noqa: E402
+from runtime.engine.engine import Engine  # noqa: E402
+from runtime.engine.runner import ModelRunner, RunnerSettings  # noqa: E402
+from runtime.load.loader import load  # noqa: E402
 from runtime.models import build_model  # noqa: E402
-from runtime.runner import ModelRunner, RunnerSettings  # noqa: E402
 from runtime.types import (  # noqa: E402
     Finished,
     GenerationRequest,
@@ -39,7 +31,15 @@ from runtime.types import (  # noqa: E402
     SamplingParams,
     TextDelta,
 )
-from runtime.vision import PromptImages, VisionModel, vision_of  # noqa: E402
+from runtime.vision.preprocess import (  # noqa: E402
+    ImageLimits,
+    Preprocessing,
+    digest,
+    open_image,
+    prepare_image,
+    preprocess,
+)
+from runtime.vision.spans import PromptImages, VisionModel, vision_of  # noqa: E402
 from tests.model_checks import TinyModels  # noqa: E402
 from tests.tiny_models import VOCAB, _gemma3_text_config, load_mlx, save_tiny  # noqa: E402
 from tests.tiny_qwen_vision import prefill  # noqa: E402
@@ -84,7 +84,7 @@ def _gemma3_vision(tokens: int) -> Any:
 
 
 def save_tiny_vision(name: str, directory: Path) -> Any:
-    """Save the `name` variant (with a tokenizer, so runtime.loader loads the folder);
+    """Save the `name` variant (with a tokenizer, so runtime.load.loader loads the folder);
     return the torch model."""
     tokens = VARIANTS[name]
     model = save_tiny((lambda: _gemma3_vision(tokens), None), directory)

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 
 from runtime.cache import ArraySnapshot, KVCache, KVSnapshot, LayerCache
 from runtime.models import build_model
-from runtime.prefix_cache import ImageKey, Key, Lease, PrefixCache, image_keys
-from runtime.prefix_report import MissReason
-from runtime.prefix_trie import Trie
+from runtime.prefix.cache import ImageKey, Key, Lease, PrefixCache, image_keys
+from runtime.prefix.report import MissReason
+from runtime.prefix.trie import Trie
 from runtime.types import PrefixPin
 from tests.recurrent_model import FULL, RECURRENT, SLIDING, HybridModel
 

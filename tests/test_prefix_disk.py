@@ -1,4 +1,4 @@
-"""The prefix cache's disk tier (runtime/prefix_disk.py, runtime/prefix_files.py).
+"""The prefix cache's disk tier (runtime/prefix/disk/tier.py, runtime/prefix/disk/files.py).
 
 With greedy decoding, tokens are the same whether a prefix came from memory, from disk
 or was computed: every request here is checked against the cache-off oracle. State
@@ -25,18 +25,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import runtime.prefix_disk as prefix_disk
-import runtime.prefix_files as prefix_files
+import runtime.prefix.disk.files as prefix_files
+import runtime.prefix.disk.tier as prefix_disk
 from gateway.cli.main import _engine_settings, _parser
 from gateway.core.serving import model_folder
 from runtime.cache import KVCache, LatentCache, RecurrentCache, RotatingKVCache
 from runtime.cache.codec import Encoded, decode, encode
-from runtime.engine import Engine, RequestHandle
-from runtime.loader import load
-from runtime.prefix_cache import Key, PrefixCache, image_keys
-from runtime.prefix_disk import DiskTier
-from runtime.prefix_files import SUFFIX, TMP_SUFFIX, model_identity
-from runtime.runner import ModelRunner, RunnerSettings
+from runtime.engine.engine import Engine, RequestHandle
+from runtime.engine.runner import ModelRunner, RunnerSettings
+from runtime.load.loader import load
+from runtime.prefix.cache import Key, PrefixCache, image_keys
+from runtime.prefix.disk.files import SUFFIX, TMP_SUFFIX, model_identity
+from runtime.prefix.disk.tier import DiskTier
 from runtime.types import GenerationRequest, SamplingParams
 from tests.engine_kinds import KINDS as ENGINE_KINDS
 from tests.engine_kinds import collect, folder_maker, prompt
@@ -45,7 +45,7 @@ from tests.test_prefix_cache import KINDS, Oracle, check_snapshots, run_request,
 
 BIG = 10**9  # token ids below stay under the toy models' vocabulary of 256
 IDENTITY = "tiny-model"
-LOGGER = "runtime.prefix_disk"
+LOGGER = "runtime.prefix.disk.tier"
 
 
 @pytest.fixture(scope="module")
@@ -594,7 +594,7 @@ def test_a_lowered_limit_spills_to_disk_and_the_state_comes_back(
     kind: str, models: dict[str, HybridModel], oracles: dict[str, Oracle], tiers: Tiers,
     tmp_path: Path,
 ) -> None:  # fmt: skip
-    """The running batch lowers the trie's limit (runtime/scheduler.py): what no longer
+    """The running batch lowers the trie's limit (runtime/batch/scheduler.py): what no longer
     fits goes to the disk tier at once, and later requests still reuse it."""
     model, oracle = models[kind], oracles[kind]
     want = _session(_memory(model), model, oracle)

@@ -1,4 +1,4 @@
-"""A joined prompt's keys and values are held once (runtime/prefix_loan.py).
+"""A joined prompt's keys and values are held once (runtime/prefix/loan.py).
 
 When a prompt is in, the trie records it and the sequence joins the batch. With plain KV
 layers the trie lends its live state to the batch row instead of keeping a copy: the
@@ -23,12 +23,12 @@ pytest.importorskip("transformers")
 import mlx.core as mx
 import numpy as np
 
+from runtime.batch.generate import generate_tokens
+from runtime.batch.handle import RequestHandle, open_handle
 from runtime.cache.batch import BatchCaches, BatchTokenCache
-from runtime.generate import generate_tokens
-from runtime.handle import RequestHandle, open_handle
-from runtime.loader import load
-from runtime.runner import ModelRunner, RunnerSettings
-from runtime.sampling import Sampler
+from runtime.engine.runner import ModelRunner, RunnerSettings
+from runtime.load.loader import load
+from runtime.text.sampling import Sampler
 from runtime.types import (
     Finished,
     FinishReason,

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from runtime.prefix_cache import Key, PrefixCache
-from runtime.prefix_report import MissReason
+from runtime.prefix.cache import Key, PrefixCache
+from runtime.prefix.report import MissReason
 from runtime.types import PrefixPin
 from tests.recurrent_model import HybridModel
 from tests.test_prefix_cache import (

@@ -1,5 +1,5 @@
 """A prompt's prefill keeps a hybrid model's recurrent states at the prefix trie's snapshot
-points inside a chunk (runtime/prompt_prefill.py, `RecurrentCache.capture`), instead of
+points inside a chunk (runtime/batch/prompt_prefill.py, `RecurrentCache.capture`), instead of
 cutting the chunk into one forward per point; what it keeps equals the state of a run
 that stopped there, and restores from it give the cold run's logits."""
 
@@ -14,11 +14,11 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from runtime import generate
+from runtime.batch import generate
+from runtime.batch.prompt_prefill import PromptPrefill
 from runtime.cache import KVCache, LayerCache, RecurrentCache, RecurrentSnapshot
 from runtime.models import LanguageModel
-from runtime.prefix_cache import PrefixCache
-from runtime.prompt_prefill import PromptPrefill
+from runtime.prefix.cache import PrefixCache
 from tests.model_checks import TinyModels, forward, random_tokens
 from tests.tiny_hybrid import VOCAB, make_tiny
 from tests.tiny_models import load_mlx

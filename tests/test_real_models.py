@@ -1,7 +1,7 @@
 """Real weights: greedy decoding matches transformers on the same dequantized GGUF weights.
 
 transformers dequantizes the GGUF with its own loader (an independent path from
-runtime/gguf.py), runs float32 on the CPU, and the first 32 greedy tokens must be
+runtime/load/gguf/reader.py), runs float32 on the CPU, and the first 32 greedy tokens must be
 identical to ours.
 """
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.generate import generate_tokens
-from runtime.loader import LoadedModel, load
-from runtime.sampling import Sampler
+from runtime.batch.generate import generate_tokens
+from runtime.load.loader import LoadedModel, load
+from runtime.text.sampling import Sampler
 from runtime.types import SamplingParams
 from templates import renderer_for
 from templates.types import Message, RenderOptions

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runtime.sampling import (
+from runtime.text.sampling import (
     Sampler,
     SampleResult,
     apply_min_p,

@@ -1,4 +1,4 @@
-"""Continuous batching (runtime/scheduler.py) against the oracle of running alone.
+"""Continuous batching (runtime/batch/scheduler.py) against the oracle of running alone.
 
 For tiny random models of every cache kind (KV, sliding window + KV, recurrent + KV,
 MLA latents), concurrent greedy requests give exactly the tokens each gives alone with
@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 
 import tests.tiny_models as tiny_models
+from runtime.batch.generate import generate_tokens
+from runtime.batch.scheduler import Scheduler
 from runtime.cache.batch import BatchCaches
-from runtime.engine import Engine
-from runtime.generate import generate_tokens
-from runtime.loader import load
-from runtime.runner import ModelRunner, RunnerSettings
-from runtime.sampling import Sampler
-from runtime.scheduler import Scheduler
+from runtime.engine.engine import Engine
+from runtime.engine.runner import ModelRunner, RunnerSettings
+from runtime.load.loader import load
+from runtime.text.sampling import Sampler
 from runtime.types import (
     Finished,
     FinishReason,
@@ -69,7 +69,7 @@ def _scheduler(engine: Engine) -> Scheduler:
 
 
 def _reference(folder: Path, request: GenerationRequest) -> list[int]:
-    """The single-sequence loop (runtime/generate.py) on fresh caches: no scheduler."""
+    """The single-sequence loop (runtime/batch/generate.py) on fresh caches: no scheduler."""
     loaded = load(folder)
     eos = loaded.eos_token_ids
     sampler = Sampler(request.sampling, loaded.model.args.vocab_size, request.prompt_tokens)
@@ -255,7 +255,7 @@ def test_prefill_chunks_ride_on_decode_steps(
 ) -> None:
     """Prompts that arrive while others decode are read in the decode steps' forwards
     (one forward for both, runtime/cache/ragged.py), or a few layers per step between
-    them (runtime/layered_prefill.py, the CPU's way for a plain stack's long prompts;
+    them (runtime/batch/layered_prefill.py, the CPU's way for a plain stack's long prompts;
     "short": these prompts are short enough to ride there too), and every request
     still gets the tokens it gets alone. gemma3's 45-token prompts pass its sliding
     window of 8."""

@@ -1,4 +1,4 @@
-"""How the scheduler sizes prefill chunks between decode steps (runtime/scheduler.py).
+"""How the scheduler sizes prefill chunks between decode steps (runtime/batch/scheduler.py).
 
 The step times come from a scripted clock, so every number here is exact: a plain
 decode step's time is the median of the last few, each measured only after a plain
@@ -18,11 +18,11 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import runtime.scheduler as scheduler_module
-from runtime.handle import RequestHandle, _ThreadSink
-from runtime.loader import load
-from runtime.runner import ModelRunner, RunnerSettings
-from runtime.scheduler import Scheduler
+import runtime.batch.scheduler as scheduler_module
+from runtime.batch.handle import RequestHandle, _ThreadSink
+from runtime.batch.scheduler import Scheduler
+from runtime.engine.runner import ModelRunner, RunnerSettings
+from runtime.load.loader import load
 from runtime.types import GenerationRequest, SamplingParams
 from tests.engine_kinds import KINDS, folder_maker, prompt
 

@@ -32,8 +32,8 @@ import pytest
 
 from gateway.core.served import ServedModel
 from gateway.core.serving import build_served
-from runtime.engine import BatchRunner, Engine, RequestHandle, Runner
-from runtime.runner import ModelRunner, RunnerSettings
+from runtime.engine.engine import BatchRunner, Engine, RequestHandle, Runner
+from runtime.engine.runner import ModelRunner, RunnerSettings
 from runtime.types import Finished, FinishReason, GenerationStats, TextDelta
 from tests.anthropic_checks import check_error, read_events
 from tests.live_server import free_port, live_server

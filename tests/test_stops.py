@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.stops import StopMatcher
+from runtime.text.stops import StopMatcher
 
 
 def _expected(text: str, stops: Sequence[str]) -> tuple[str, bool]:

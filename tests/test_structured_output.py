@@ -19,7 +19,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from gateway.core.serving import build_served
-from runtime.tokenizer import Tokenizer
+from runtime.text.tokenizer import Tokenizer
 from tests.live_server import live_server
 from tests.schema_cases import SCHEMAS, TIME_TOOL_PARAMS, WEATHER_TOOL_PARAMS, bounded
 

@@ -13,9 +13,9 @@ import pytest
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from runtime.gguf import GGUFFile
-from runtime.gguf_tokenizer import CONTROL, NORMAL, USER_DEFINED, build_hf_tokenizer
-from runtime.tokenizer import Tokenizer, read_chat_template
+from runtime.load.gguf.reader import GGUFFile
+from runtime.load.gguf.tokenizer import CONTROL, NORMAL, USER_DEFINED, build_hf_tokenizer
+from runtime.text.tokenizer import Tokenizer, read_chat_template
 
 # Text that trips tokenizers up: unicode of many scripts, emoji sequences, code,
 # whitespace runs, numbers, contractions.

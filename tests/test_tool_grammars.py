@@ -32,9 +32,9 @@ from gateway.core.structured import marker_tag
 from parsers.events import ToolCallArgs, ToolCallStart
 from parsers.grammars import GRAMMAR_KEY, CallGrammar, call_grammar
 from parsers.grammars.lark_regex import lark_to_regex
-from runtime.constraints import ConstraintError, GrammarVocabulary, TokenMatcher
-from runtime.loader import LoadedModel, load
-from runtime.tokenizer import Tokenizer
+from runtime.load.loader import LoadedModel, load
+from runtime.text.constraints import ConstraintError, GrammarVocabulary, TokenMatcher
+from runtime.text.tokenizer import Tokenizer
 from runtime.types import Constraint
 from tests.agent_model import build_tiny_qwen3
 from tests.schema_cases import (

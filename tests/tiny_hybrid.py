@@ -131,5 +131,5 @@ def make_tiny(name: str, directory: Path, seed: int = 0) -> Any:
 
 
 def write_tokenizer(folder: Path, vocab: int = VOCAB) -> None:
-    """A word-level tokenizer ("w0".."w<vocab-1>"), so runtime.loader can load the folder."""
+    """A word-level tokenizer ("w0".."w<vocab-1>"), so runtime.load.loader can load the folder."""
     tiny_models.write_tokenizer(folder, vocab)

@@ -209,7 +209,7 @@ def save_tiny(
 
 
 def write_tokenizer(folder: Path, vocab: int, config: Mapping[str, str] | None = None) -> None:
-    """A word-level tokenizer ("w<i>" is token i), so runtime.loader can load the folder;
+    """A word-level tokenizer ("w<i>" is token i), so runtime.load.loader can load the folder;
     `config` is its tokenizer_config.json (default: w1 begins, w2 ends a generation)."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models, pre_tokenizers

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 import transformers
 
-from runtime.images import digest
 from runtime.models import qwen3_5_vision
 from runtime.models.qwen3_vision import patchify
 from runtime.types import PromptImage
-from runtime.vision import PromptImages, grid_of
+from runtime.vision.preprocess import digest
+from runtime.vision.spans import PromptImages, grid_of
 from tests.tiny_hybrid import _MOE, _TEXT, _VISION, VOCAB, _randomize
 from tests.tiny_models import load_mlx, save_tiny
 

@@ -23,7 +23,7 @@ from gateway.core.http import server_settings
 from gateway.core.model_use import registry
 from gateway.core.models_registry import ModelFacts, ModelRegistry, ModelState, ModelStatus
 from gateway.core.settings import ServerSettings
-from runtime.engine import EngineState
+from runtime.engine.engine import EngineState
 
 
 def model_card(

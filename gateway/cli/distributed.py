@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from runtime.distributed.channel import Channel
     from runtime.distributed.group import Group
     from runtime.distributed.lockstep import LockstepRunner
-    from runtime.loader import LoadedModel
+    from runtime.load.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 

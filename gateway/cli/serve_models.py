@@ -208,7 +208,7 @@ def _builder(
 ) -> Callable[[], ServedModel]:
     def build() -> ServedModel:
         from gateway.core.serving import build_served
-        from runtime.loader import load
+        from runtime.load.loader import load
 
         loaded = load(path)
         if cfg.context_length is not None:

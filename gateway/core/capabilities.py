@@ -65,7 +65,7 @@ def detect(
     vision: bool = False,
 ) -> Capabilities:
     """`builtin_family`: the built-in renderer in use (None when the model's own
-    template renders); `vision`: the loaded model reads images (runtime.vision)."""
+    template renders); `vision`: the loaded model reads images (runtime.vision.spans)."""
     text = chat_template if builtin_family is None else None
     parser = "passthrough"
     tools = thinking = False

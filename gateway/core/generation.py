@@ -34,7 +34,7 @@ from gateway.core.metrics import Metrics
 from gateway.core.plan import CachePin
 from gateway.core.served import ServedModel
 from gateway.core.settings import ServerSettings
-from runtime.engine import (
+from runtime.engine.engine import (
     EngineFailure,
     EngineState,
     EngineStopped,

@@ -1,5 +1,5 @@
 """Images in chat requests, for a model with vision: read each image's source (a data:
-URL, or an http(s) URL fetched under limits), decode and preprocess it (runtime.images),
+URL, or an http(s) URL fetched under limits), decode and preprocess it (runtime.vision.preprocess),
 and put the model's placeholder for it in the prompt.
 
 Fetching refuses what a server should not reach on a client's behalf: schemes other
@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
 from gateway.core.errors import InvalidRequest
-from runtime.images import (
+from runtime.types import PromptImage
+from runtime.vision.preprocess import (
     ImageError,
     ImageLimits,
     ImageTooLarge,
@@ -31,7 +32,6 @@ from runtime.images import (
     VisionSpec,
     prepare_image,
 )
-from runtime.types import PromptImage
 from templates.types import ImagePart, Message
 
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from runtime.engine import EngineStats
+from runtime.engine.engine import EngineStats
 from runtime.types import FinishReason, GenerationStats
 
 if TYPE_CHECKING:

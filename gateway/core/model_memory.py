@@ -4,7 +4,7 @@ caches get, the server's default budget, and the release after an unload.
 
 One budget (--memory-budget) covers every loaded model's weights and caches: a model
 counts as its weights plus its cache memory, the bound its running batch and its prefix
-trie share (runtime/scheduler.py gives the batch priority; the trie gives way, to its
+trie share (runtime/batch/scheduler.py gives the batch priority; the trie gives way, to its
 disk tier when it has one)."""
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from gateway.core.errors import InternalError, NotFound, Overloaded
 from gateway.core.model_memory import default_memory_budget, release_memory, served_bytes
 from gateway.core.served import ServedModel
 from runtime.backend import release_thread_streams
-from runtime.engine import EngineState, EngineStats
+from runtime.engine.engine import EngineState, EngineStats
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from gateway.core.plan import ChatPlan, has_images
 from gateway.core.served import ServedModel
 from gateway.core.structured import forced_call, request_constraint
 from parsers.events import Event
-from runtime.images import PreparedImage
 from runtime.types import Constraint, PromptImage, ReasoningBudget
+from runtime.vision.preprocess import PreparedImage
 from templates import TURN_OPENERS, TemplateError
 
 log = logging.getLogger(__name__)

@@ -14,9 +14,9 @@ from gateway.core.errors import InvalidRequest
 from gateway.core.images import ImagePolicy
 
 if TYPE_CHECKING:
-    from runtime.engine import Engine
-    from runtime.loader import LoadedModel
-    from runtime.runner import ModelRunner
+    from runtime.engine.engine import Engine
+    from runtime.engine.runner import ModelRunner
+    from runtime.load.loader import LoadedModel
     from templates import Renderer
 
 log = logging.getLogger(__name__)

@@ -53,9 +53,9 @@ def build_served(
     """Load `path` (or reuse an already `loaded` model) and wrap it for serving.
     `make_runner(loaded, runner_settings)` builds the engine's runner in place of a
     ModelRunner (a distributed group's rank 0 leads its followers with its own)."""
-    from runtime.engine import Engine
-    from runtime.loader import LoadedModel, load
-    from runtime.runner import ModelRunner, RunnerSettings
+    from runtime.engine.engine import Engine
+    from runtime.engine.runner import ModelRunner, RunnerSettings
+    from runtime.load.loader import LoadedModel, load
     from templates import MissingTemplateRenderer, builtin_family_for, renderer_for
 
     settings = settings or EngineSettings()

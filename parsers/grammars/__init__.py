@@ -1,6 +1,6 @@
 """The grammar of each tool-call format, for constrained decoding: the call syntax with
 each declared tool's name and its argument schema, as Lark text in llguidance's dialect
-(runtime/constraints.py compiles it).
+(runtime/text/constraints.py compiles it).
 
 Formats with a grammar (by parser name, parsers.create's names): hermes, qwen2.5,
 qwen3, llama3-json, deepseek-v3 and deepseek-v3.1 (json_calls.py); qwen3-coder,

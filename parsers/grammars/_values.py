@@ -19,7 +19,7 @@ from typing import Any
 
 from parsers._schema import _alternatives
 from parsers.grammars._common import GRAMMAR_KEY, Schema, containing, regex_literal
-from runtime.constraints import ConstraintError, check, lark_constraint
+from runtime.text.constraints import ConstraintError, check, lark_constraint
 
 # What the parser's `_parse_as` takes for each type (after stripping whitespace).
 _PARSES_AS = {

@@ -127,7 +127,7 @@ class BatchTokenCache:
         """Join a row at the end of the batch (its arrays are copied in). The first row
         of a plain KV cache lends its buffers instead: the batch writes its next tokens
         in place there once the row's own cache lets go of them (the prefix trie lends
-        its live state, runtime/prefix_cache.py), so a long prompt's keys and values are
+        its live state, runtime/prefix/cache.py), so a long prompt's keys and values are
         not held twice."""
         if self.keys is None and _plain(cache):
             assert cache.keys is not None and cache.values is not None
@@ -187,7 +187,7 @@ class BatchTokenCache:
     def row(self, i: int) -> KVCache | RotatingKVCache:
         """Row `i` as a cache of its own, holding the row's tokens: a copy, except that
         the only row of plain KV caches gets the buffers themselves (the batch drops the
-        row next, runtime/scheduler.py)."""
+        row next, runtime/batch/scheduler.py)."""
         assert self.keys is not None and self.values is not None
         if (
             self.rows == 1

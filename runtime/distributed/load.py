@@ -3,7 +3,7 @@
 MLX reads a safetensors tensor only when something evaluates it. The loader builds the
 model and loads every weight lazily; `shard_model` then replaces each weight by this
 rank's slice (a copy of it) and drops the layers of other pipeline stages, and the
-checkpoint's own references are gone by then (runtime/loader.py `_finish`). Evaluating
+checkpoint's own references are gone by then (runtime/load/loader.py `_finish`). Evaluating
 one layer at a time afterwards bounds what is briefly held in full to one layer's
 tensors: a rank's memory holds its part, never the whole model.
 
@@ -21,7 +21,7 @@ import mlx.core as mx
 from runtime.distributed.group import GroupLike, handle_of
 from runtime.distributed.pipeline import parameter_bytes
 from runtime.distributed.shard import Mode, shard_info, shard_model
-from runtime.loader import LoadedModel, load
+from runtime.load.loader import LoadedModel, load
 from runtime.models.base import LanguageModel
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ def load_sharded(
     *,
     keep_quantized: bool | None = None,
 ) -> LoadedModel:
-    """`runtime.loader.load` of `source`, holding only this rank's part of the weights
+    """`runtime.load.loader.load` of `source`, holding only this rank's part of the weights
     (see `shard_model` for `mode`); every rank must call it with the same arguments."""
     handle = handle_of(group)
 

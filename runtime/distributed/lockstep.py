@@ -69,12 +69,12 @@ from runtime.distributed.replica import (
     wire,
 )
 from runtime.distributed.shard import shard_info
-from runtime.runner import ModelRunner, RunnerSettings
+from runtime.engine.runner import ModelRunner, RunnerSettings
 from runtime.types import Finished, FinishReason
 
 if TYPE_CHECKING:
-    from runtime.engine import RequestHandle
-    from runtime.loader import LoadedModel
+    from runtime.engine.engine import RequestHandle
+    from runtime.load.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 

@@ -14,14 +14,14 @@ from typing import Any, TypeVar, cast
 import mlx.core as mx
 import numpy as np
 
+from runtime.batch.handle import RequestHandle, _ThreadSink
+from runtime.batch.prompt_prefill import keeps_on_the_way
+from runtime.batch.scheduler import FUSED_SHARE, Scheduler, _Seq
 from runtime.cache import LayerCache
-from runtime.handle import RequestHandle, _ThreadSink
-from runtime.prefix_cache import PrefixCache
-from runtime.prefix_plan import Plan, plan_restore
-from runtime.prefix_trie import Node
-from runtime.prompt_prefill import keeps_on_the_way
-from runtime.sampling import Sampler, SampleResult
-from runtime.scheduler import FUSED_SHARE, Scheduler, _Seq
+from runtime.prefix.cache import PrefixCache
+from runtime.prefix.plan import Plan, plan_restore
+from runtime.prefix.trie import Node
+from runtime.text.sampling import Sampler, SampleResult
 from runtime.types import Finished, GenerationEvent, GenerationRequest, SamplingParams
 
 C = TypeVar("C", bound=LayerCache)

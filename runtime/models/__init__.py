@@ -31,7 +31,7 @@ _ARCHITECTURES: Mapping[str, str] = MappingProxyType(
     }
 )
 # model_type -> module, for configs with a vision_config (the text model plus its vision
-# tower: runtime.vision.VisionModel); Qwen3.5's MoE shares the dense one's tower and
+# tower: runtime.vision.spans.VisionModel); Qwen3.5's MoE shares the dense one's tower and
 # positions, only its text model differs (qwen3_5.py reads which from the model type)
 _VISION_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
     {"gemma3": "gemma3_vision", "qwen3_5": "qwen3_5_vision", "qwen3_5_moe": "qwen3_5_vision"}

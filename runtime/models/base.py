@@ -13,7 +13,7 @@ from mlx.nn.layers.embedding import Embedding
 
 from runtime.cache import Cache, KVCache, Mask, RotatingKVCache, window_mask
 from runtime.cache.ragged import RaggedCache
-from runtime.models import cpu_kernels
+from runtime.kernels import bridge as cpu_kernels
 from runtime.models.linear import Linear
 from runtime.models.rope import RoPE
 

@@ -12,7 +12,7 @@ softmax, has no score-correction bias, and multiplies the chosen weights by
 - "noaux_tc": V3's rules over the softmax scores: a group scores its two best experts'
   sum, and the weights are renormalised when `norm_topk_prob`, then scaled. No V2
   release says it; it is what llama.cpp computes for a softmax deepseek2 GGUF, whose
-  config runtime/gguf_moe.py writes with it.
+  config runtime/load/gguf/moe.py writes with it.
 
 Under the two V2 methods `norm_topk_prob` is ignored, as transformers and mlx-lm do
 (DeepSeek's own V2 code would renormalise instead of scaling; every V2 release sets it

@@ -25,11 +25,11 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 
 from runtime.cache import Cache
-from runtime.images import ImageLayout
 from runtime.models import gemma3
 from runtime.models.base import RMSNorm, config_int
 from runtime.models.siglip import VisionArgs, VisionTower
-from runtime.vision import VisionModel
+from runtime.vision.preprocess import ImageLayout
+from runtime.vision.spans import VisionModel
 
 # checkpoint prefix -> our module's, tried in order
 _VISION_PREFIXES = (

@@ -1,7 +1,7 @@
 """The linear layer every architecture uses: MLX's, plus the CPU's few-rows kernel.
 
 A decode step multiplies one row per running sequence by every weight matrix. On the CPU
-that is a matter of reading the weights once, which runtime/models/cpu_kernels.py's
+that is a matter of reading the weights once, which runtime/kernels/bridge.py's
 small GEMM does; Metal, CUDA, quantized weights and prefill-sized inputs stay on MLX.
 
 The kernel runs outside MLX's lazy graph: each call evaluates its input, a sync that
@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.linear import Linear as _MLXLinear
 
-from runtime.models import cpu_kernels
+from runtime.kernels import bridge as cpu_kernels
 
 # a block whose largest float matrix is smaller than this stays on MLX's GEMM
 BLOCK_MIN_WEIGHT_BYTES = 8 << 20

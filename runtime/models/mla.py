@@ -34,7 +34,7 @@ from mlx.nn.layers.quantized import QuantizedLinear
 
 from runtime.cache.latent import LatentCache
 from runtime.cache.mask import Mask, window_mask
-from runtime.models import cpu_kernels
+from runtime.kernels import bridge as cpu_kernels
 from runtime.models.base import RMSNorm, attention, config_int
 from runtime.models.linear import Linear
 from runtime.models.rope import RoPE, RopeSpec, parse_rope

@@ -37,13 +37,13 @@ import mlx.core as mx
 import numpy as np
 
 from runtime.cache import Cache
-from runtime.images import GridResize, ImageLayout
 from runtime.models import qwen3_5
 from runtime.models.decoder import LayerStack
 from runtime.models.qwen3_vision import VisionArgs, VisionTower, patchify
 from runtime.models.rope import Positions, default_inv_freq
 from runtime.types import PromptImage
-from runtime.vision import GridVision
+from runtime.vision.preprocess import GridResize, ImageLayout
+from runtime.vision.spans import GridVision
 
 _VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")
 # Qwen3_5Config's defaults
@@ -163,7 +163,7 @@ class Model(qwen3_5.Model, GridVision):
         pieces.append(h[:, at:])
         return self._run(mx.concatenate(pieces, axis=1), caches, positions)
 
-    # -- multimodal RoPE (runtime.vision.GridVision) --
+    # -- multimodal RoPE (runtime.vision.spans.GridVision) --
 
     def rope_shift(self, images: Sequence[PromptImage]) -> int:
         """How far the rotary position of a token after all `images` is from its offset."""

@@ -21,7 +21,7 @@ from gateway.core.serving import model_folder
 CHAT_MODEL = "soak-chat"
 TOOLS_MODEL = "soak-tools"
 READY_S = 300.0
-# runtime/prefix_files.py's names (not imported: that module loads MLX into this client)
+# runtime/prefix/disk/files.py's names (not imported: that module loads MLX into this client)
 SUFFIX, TMP_SUFFIX = ".safetensors", ".tmp"
 
 

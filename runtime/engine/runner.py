@@ -1,0 +1,258 @@
+"""The loaded model's serving side: the scheduler's running batch, the shared prefix
+cache, the grammar vocabulary, and the views the admin routes read.
+
+`admit`, `step` and `abort` are called only from the engine's worker thread, the one
+thread that owns MLX; `prefix_cache_view` from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from runtime.batch.generate import DEFAULT_PREFILL_CHUNK
+from runtime.batch.scheduler import Scheduler
+from runtime.batch.sequence import SequenceOutput
+from runtime.prefix.cache import Lease, PrefixCache
+from runtime.prefix.disk.files import model_identity
+from runtime.prefix.disk.tier import DiskTier
+from runtime.prefix.report import CacheReport
+from runtime.text.constraints import GrammarVocabulary, TokenMatcher
+from runtime.text.detokenizer import DetokenizerTable
+from runtime.text.sampling import Sampler
+from runtime.types import Constraint, Finished, FinishReason
+
+if TYPE_CHECKING:
+    from runtime.engine.engine import RequestHandle
+    from runtime.load.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+def default_prefix_cache_bytes() -> int:
+    """A fifth of physical memory: room for many paged-out conversations, and the
+    model and live caches keep the rest."""
+    try:
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 * 1024**3
+    return int(total // 5)
+
+
+def default_cache_memory_bytes() -> int:
+    """Two fifths of physical memory for the batch and the trie together (the server
+    sets it from its memory budget: gateway/core/model_memory.py)."""
+    return 2 * default_prefix_cache_bytes()
+
+
+DEFAULT_PREFIX_CACHE_DISK_BYTES = 8 * 1024**3
+DEFAULT_BUFFER_CACHE_BYTES = 256 * 1024**2
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    prefix_cache_bytes: int = field(default_factory=default_prefix_cache_bytes)
+    # the prefix cache's disk tier (runtime/prefix/disk/tier.py): this model's directory, and
+    # the most its files may take; None = state evicted from memory is dropped
+    prefix_cache_dir: Path | None = None
+    prefix_cache_disk_bytes: int = DEFAULT_PREFIX_CACHE_DISK_BYTES
+    snapshot_interval: int = 1024
+    max_batch: int = 8  # sequences decoding together; 1 serves one request at a time
+    # the running batch's caches and the prefix trie's snapshots in memory share this:
+    # a request whose batch would not fit waits, the trie gives way to the batch
+    cache_memory_bytes: int = field(default_factory=default_cache_memory_bytes)
+    # freed MLX buffers kept for reuse (process-wide). MLX keeps up to its memory limit
+    # by default, so a server's resident memory followed its busiest moment, not its live
+    # data; decode steps reuse far less than this, prefill chunks clear it anyway
+    buffer_cache_bytes: int = DEFAULT_BUFFER_CACHE_BYTES
+
+
+@dataclass(frozen=True)
+class _CacheView:
+    at: float  # wall clock when it was taken
+    stats: dict[str, int]
+    pins: list[dict[str, object]]
+    recent: list[CacheReport]
+    trie: list[str]
+
+
+class ModelRunner:
+    # a distributed group's lockstep runner (runtime/distributed/lockstep.py) brings
+    # kinds of its own that take rank 0's decisions
+    prefix_cache_type: type[PrefixCache[Any]] = PrefixCache
+    scheduler_type: type[Scheduler] = Scheduler
+
+    def __init__(self, loaded: LoadedModel, settings: RunnerSettings | None = None) -> None:
+        self.loaded = loaded
+        self.settings = settings or RunnerSettings()
+        mx.set_cache_limit(self.settings.buffer_cache_bytes)
+        tok = loaded.tokenizer
+        self._detok_table = DetokenizerTable.build(tok.hf, tok.special_ids)
+        self.prefix: PrefixCache[Any] = self.prefix_cache_type(
+            loaded.model.make_caches,
+            budget_bytes=self.settings.prefix_cache_bytes,
+            snapshot_interval=self.settings.snapshot_interval,
+            disk=_disk_tier(loaded, self.settings),
+        )
+        self.prefix.set_limit(self.settings.cache_memory_bytes)
+        # held while a request runs, so a dump from another thread sees a settled trie
+        self.lock = threading.Lock()
+        self._stream: Any = None
+        self._settled = self._settle()  # the view a busy engine answers with
+        self._grammar_vocab: GrammarVocabulary | None = None  # built on first use
+        self.scheduler = self.scheduler_type(
+            loaded.model,
+            self.prefix,
+            make_caches=loaded.model.make_caches,
+            max_batch=self.settings.max_batch,
+            prefill_chunk=self.settings.prefill_chunk,
+            memory_bytes=self.settings.cache_memory_bytes,
+            on_begin=_report_logger(loaded.tokenizer),  # not a bound method: no cycle
+        )
+
+    def grammar_vocabulary(self) -> GrammarVocabulary:
+        """The model's vocabulary in the grammar engine, imported once (about 1.5 s for
+        150k tokens) by the first constrained request."""
+        if self._grammar_vocab is None:
+            loaded = self.loaded
+            self._grammar_vocab = GrammarVocabulary(
+                loaded.tokenizer.hf.to_str(), loaded.model.args.vocab_size, loaded.eos_token_ids
+            )
+        return self._grammar_vocab
+
+    def _matcher(self, constraint: Constraint | None) -> TokenMatcher | None:
+        return None if constraint is None else self.grammar_vocabulary().matcher(constraint)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.loaded.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _settle(self) -> _CacheView:
+        """Copy what the prefix-cache view shows; the caller holds the lock."""
+        p = self.prefix
+        return _CacheView(time.time(), p.stats(), p.pins(), p.recent(), p.dump().splitlines())
+
+    def prefix_cache_view(self, wait_s: float = 0.25) -> dict[str, Any]:
+        """The trie, its counters, the live pins and the last requests' cache reports
+        (oldest first, token ids decoded). While a request runs (after `wait_s`), the
+        view taken when the previous request finished, marked `busy`."""
+        busy = not self.lock.acquire(timeout=wait_s)
+        if busy:
+            view = self._settled
+        else:
+            try:
+                view = self._settle()
+            finally:
+                self.lock.release()
+        return {
+            "busy": busy,
+            "as_of": view.at,
+            "stats": view.stats,
+            "pins": view.pins,
+            "recent": [r.describe(self._decode) for r in view.recent],
+            "trie": view.trie,
+        }
+
+    # -- the engine's side (runtime/engine/engine.py's BatchRunner) --
+
+    @property
+    def idle(self) -> bool:
+        return self.scheduler.idle
+
+    def has_room(self) -> bool:
+        return self.scheduler.has_room()
+
+    def admit(self, handle: RequestHandle) -> None:
+        """Take a request into the scheduler; raises (the request fails) when it cannot
+        run: no room in the context, a grammar that does not compile, bad sampling."""
+        req = handle.request
+        room = self.loaded.context_length - len(req.prompt_tokens)
+        if room <= 0:
+            raise ValueError(
+                f"prompt of {len(req.prompt_tokens)} tokens leaves no room in the "
+                f"{self.loaded.context_length}-token context"
+            )
+        if not req.prompt_tokens:
+            raise ValueError("cannot generate from an empty prompt")
+        vocab = self.loaded.model.args.vocab_size
+        sampler = Sampler(req.sampling, vocab, req.prompt_tokens)
+        matcher = self._matcher(req.constraint)  # a grammar that cannot compile fails here
+        eos = self.loaded.eos_token_ids
+        out = SequenceOutput(handle, self._detok_table, eos, min(req.max_tokens, room))
+        self.scheduler.admit(handle, out, sampler, matcher)
+
+    def step(self) -> list[tuple[RequestHandle, Finished]]:
+        """One scheduling step (a decode step for the batch, a prefill chunk)."""
+        if self._stream is None:
+            self._stream = mx.new_stream(mx.default_device())
+        with self.lock, mx.stream(self._stream):
+            done = self.scheduler.step()
+            if self.scheduler.idle:
+                # a finished row's last step may still run on the device: let it end
+                # here, not at interpreter exit
+                mx.synchronize(self._stream)
+            if self.scheduler.trie_changed or done:
+                self._settled = self._settle()
+        return done
+
+    def abort(
+        self, reason: FinishReason, error: str | None = None
+    ) -> list[tuple[RequestHandle, Finished]]:
+        with self.lock:
+            return self.scheduler.abort(reason, error)
+
+    def close(self) -> None:
+        """Release every MLX array the runner holds (the engine has stopped)."""
+        with self.lock:
+            self.scheduler.abort(FinishReason.CANCELLED, "server shutting down")
+            self.prefix.close()
+            self._stream = None
+
+    def load(self) -> tuple[int, int, int, float]:
+        s = self.scheduler.stats
+        return s.running, s.prefilling, s.steps, s.decode_step_seconds
+
+
+def _disk_tier(loaded: LoadedModel, settings: RunnerSettings) -> DiskTier | None:
+    """The prefix cache's disk tier, when a directory is set and both caches have room.
+
+    The identity covers what changes the cached state: the weights (files' names, sizes,
+    mtimes), the dtype they were loaded in, and the device computing it."""
+    root = settings.prefix_cache_dir
+    if root is None or settings.prefix_cache_bytes <= 0 or settings.prefix_cache_disk_bytes <= 0:
+        return None
+    identity = model_identity(
+        loaded.source,
+        f"dtype={loaded.dtype}",
+        f"quantized={loaded.quantized}",
+        f"device={mx.default_device()}",
+    )
+    return DiskTier.open(
+        Path(root).expanduser(), max_bytes=settings.prefix_cache_disk_bytes, identity=identity
+    )
+
+
+def _report_logger(tokenizer: Any) -> Callable[[Lease[Any]], None]:
+    """Logs each lease's cache report at debug level, token ids decoded.
+
+    The runner must not be reachable from its own scheduler: a reference cycle leaves it
+    (and the model's arrays) to the garbage collector's last pass at interpreter exit,
+    after MLX has shut down, which aborts the process."""
+
+    def log_report(lease: Lease[Any]) -> None:
+        if lease.report is not None and log.isEnabledFor(logging.DEBUG):
+            line = lease.report.log_line(
+                lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+            )
+            log.debug("request %d: %s", lease.serial, line)
+
+    return log_report

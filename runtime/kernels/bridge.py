@@ -1,0 +1,308 @@
+"""Prefill kernels for MLX's CPU backend: attention and gated activations in C.
+
+MLX's CPU `exp` is scalar (about 45M floats/s on one core), so on the CPU the softmax of
+a long prompt's attention and the MLP's activation cost more than the matmuls around them.
+`runtime/kernels/kernels.c`, compiled by `pip install` into a plain shared library, does
+the same maths with a vectorised exp and several threads: attention as blocked
+attention with an online softmax (causal or unmasked, grouped KV heads), and the gated
+MLP's ``act(gate) * up`` for silu and tanh-gelu.
+
+The bridge evaluates its inputs (`mx.eval`), hands the kernels zero-copy numpy views of
+MLX's CPU buffers, runs them with the GIL released (ctypes does) and wraps the result
+in a new array. It therefore must not run under `mx.compile` or a transform; the
+model code calls it only on the CPU, only for prefill-sized inputs (decode steps keep
+MLX's lazy graph), and falls back to MLX (the caller's path) by returning None.
+
+Environment: ``MLX_GATEWAY_CPU_ATTENTION=0`` forces MLX's own ops for all of these
+kernels (tests, comparisons); ``MLX_GATEWAY_CPU_THREADS`` sets the thread count (default:
+the CPUs this process may run on); ``MLX_GATEWAY_CPU_ISA=generic`` runs the portable
+code on x86 too (tests).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from runtime import backend
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "MLX_GATEWAY_CPU_ATTENTION"
+ENV_THREADS = "MLX_GATEWAY_CPU_THREADS"
+ENV_ISA = "MLX_GATEWAY_CPU_ISA"  # "generic": the portable code even where AVX2 exists
+# Fewer rows than this (decode steps, short prompt tails) stay in MLX's lazy graph: the
+# kernels would force an evaluation for little gain...
+MIN_ROWS = 32
+# ...unless there are enough scores (rows x keys) that MLX's scalar exp costs more than
+# the evaluation: a short prefill chunk over a long context (interleaved with decode)
+MIN_SCORES = 4096
+# A linear layer over at most this many rows (decode steps, one per running sequence) runs
+# in the small-GEMM kernel: it reads each weight row once for all rows, where the BLAS
+# packs the weights on every call and runs at half the speed of reading them (Qwen2.5-0.5B's
+# MLP and output projections, 2 threads: 16 rows in about 0.6x MKL's sgemm time; at 32
+# rows they are even, at 64 MKL is faster; one row: MKL's matrix-vector product is as
+# fast). OpenBLAS (chosen on AMD processors) does better with 16 rows (Qwen2.5-0.5B's
+# MLP: 1.3-1.6 ms where the kernel takes 2.2) and worse with one (its LM head: 54 ms,
+# the kernel 24), so with it the kernel takes 1 to 12 rows.
+GEMM_ROWS = (2, 16)
+GEMM_ROWS_OPENBLAS = (1, 12)
+GEMM_THREAD_FLOATS = 1 << 21  # weights smaller than this (8 MB) take one thread
+MAX_HEAD_DIM = 512  # the kernel's scratch bound (kernels.c MAX_DIM)
+_LIBRARY_DIR = Path(__file__).resolve().parent
+_FLOAT_TYPES = (mx.float32, mx.float16, mx.bfloat16)
+# activation name -> kernels.c GATE_* kind
+GATED_ACTIVATIONS = MappingProxyType({"silu": 0, "gelu_tanh": 1})
+
+
+class _AttnArgs(ctypes.Structure):
+    """kernels.c AttnArgs."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("q_strides", ctypes.c_int64 * 3),
+        ("k_strides", ctypes.c_int64 * 3),
+        ("v_strides", ctypes.c_int64 * 3),
+        ("o_strides", ctypes.c_int64 * 3),
+        ("batch", ctypes.c_int32),
+        ("q_heads", ctypes.c_int32),
+        ("kv_heads", ctypes.c_int32),
+        ("length", ctypes.c_int32),
+        ("keys", ctypes.c_int32),
+        ("dim", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("causal", ctypes.c_int32),
+        ("threads", ctypes.c_int32),
+        ("generic", ctypes.c_int32),
+    ]
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The loaded library and the thread count it runs with."""
+
+    lib: ctypes.CDLL
+    path: Path
+    threads: int
+    generic: bool  # the portable code even where the AVX2 one could run
+    isa: str
+
+
+def library_path() -> Path | None:
+    """The built library (`runtime/kernels/_kernels*.so`), or None when it was not built."""
+    found = sorted(_LIBRARY_DIR.glob("_kernels*.so")) + sorted(_LIBRARY_DIR.glob("_kernels*.dylib"))
+    return found[0] if found else None
+
+
+def thread_count() -> int:
+    value = os.environ.get(ENV_THREADS, "").strip()
+    if value:
+        try:
+            return max(1, int(value))
+        except ValueError:
+            log.warning("%s=%r is not an integer; using the CPU count", ENV_THREADS, value)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS has no affinity masks
+        return max(1, os.cpu_count() or 1)
+
+
+def enabled() -> bool:
+    """False when the environment forces MLX's own ops."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@functools.cache
+def _load(path: Path | None) -> Kernels | None:
+    """Load once per library path; say once, with the fix, why there is none."""
+    if path is None:
+        log.warning(
+            "CPU kernels not built (no %s/_kernels*.so): long prompts prefill several times "
+            "slower on the CPU. Fix: reinstall with a C compiler (pip install -e .).",
+            _LIBRARY_DIR,
+        )
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+        lib.mlxgw_attention.argtypes = [ctypes.POINTER(_AttnArgs)]
+        lib.mlxgw_attention.restype = ctypes.c_int
+        lib.mlxgw_gated_mul.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int32,
+            ctypes.c_int32,
+            ctypes.c_int32,
+        ]
+        lib.mlxgw_gated_mul.restype = ctypes.c_int
+        lib.mlxgw_small_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        lib.mlxgw_small_gemm.argtypes += [ctypes.c_int32] * 2
+        lib.mlxgw_small_gemm.restype = ctypes.c_int
+        lib.mlxgw_isa.argtypes = [ctypes.c_int32]
+        lib.mlxgw_isa.restype = ctypes.c_char_p
+    except (OSError, AttributeError) as exc:
+        log.warning(
+            "cannot load CPU kernels %s (%s): long prompts prefill several times slower on "
+            "the CPU. Fix: reinstall (pip install -e .).",
+            path,
+            exc,
+        )
+        return None
+    generic = os.environ.get(ENV_ISA, "").strip().lower() == "generic"
+    kernels = Kernels(lib, path, thread_count(), generic, lib.mlxgw_isa(int(generic)).decode())
+    log.info("CPU kernels: %s (%s, %d threads)", path.name, kernels.isa, kernels.threads)
+    return kernels
+
+
+def kernels() -> Kernels | None:
+    """The kernels when they should run: on the CPU, enabled, built and loadable."""
+    if not enabled() or mx.default_device() != mx.cpu:
+        return None
+    return _load(library_path())
+
+
+def _view(x: mx.array) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """A numpy view of an evaluated float32 array (a copy only if its last axis is strided)."""
+    out: np.ndarray[Any, np.dtype[np.float32]] = np.asarray(x)
+    if out.strides[-1] != out.itemsize:
+        out = np.ascontiguousarray(out)
+    return out
+
+
+def _strides(a: np.ndarray[Any, Any], axes: tuple[int, int, int]) -> Any:
+    return (ctypes.c_int64 * 3)(*(a.strides[i] // a.itemsize for i in axes))
+
+
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: bool
+) -> mx.array | None:
+    """(B, Hq, L, D) queries over (B, Hkv, K, D) keys/values, or None to use MLX instead.
+
+    The queries are the last L of the K positions; `causal` masks each query's future.
+    """
+    batch, q_heads, length, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    if (
+        length < 2
+        or (length < MIN_ROWS and length * keys < MIN_SCORES)
+        or keys < length
+        or dim > MAX_HEAD_DIM
+        or q_heads % kv_heads
+        or v.shape[-1] != dim
+        or any(x.dtype not in _FLOAT_TYPES for x in (q, k, v))
+    ):
+        return None
+    lib = kernels()
+    if lib is None:
+        return None
+    dtype = q.dtype
+    q, k, v = (x.astype(mx.float32) for x in (q, k, v))
+    mx.eval(q, k, v)
+    qn, kn, vn = _view(q), _view(k), _view(v)
+    out = np.empty((batch, length, q_heads, dim), dtype=np.float32)
+    args = _AttnArgs(
+        qn.ctypes.data,
+        kn.ctypes.data,
+        vn.ctypes.data,
+        out.ctypes.data,
+        _strides(qn, (0, 1, 2)),
+        _strides(kn, (0, 1, 2)),
+        _strides(vn, (0, 1, 2)),
+        _strides(out, (0, 2, 1)),
+        batch,
+        q_heads,
+        kv_heads,
+        length,
+        keys,
+        dim,
+        scale,
+        int(causal),
+        lib.threads,
+        int(lib.generic),
+    )
+    status = lib.lib.mlxgw_attention(ctypes.byref(args))
+    if status != 0:
+        log.warning("CPU attention kernel failed (status %d); using MLX's", status)
+        return None
+    # (B, L, Hq, D) memory seen as (B, Hq, L, D): the caller's transpose back is free
+    return mx.array(out).transpose(0, 2, 1, 3).astype(dtype)
+
+
+def gated_mul(gate: mx.array, up: mx.array, activation: str) -> mx.array | None:
+    """act(gate) * up for prefill-sized float32 inputs, or None to use MLX instead.
+
+    `activation` is one of GATED_ACTIVATIONS: "silu", or "gelu_tanh" (gelu's tanh form).
+    """
+    kind = GATED_ACTIVATIONS.get(activation)
+    if (
+        kind is None
+        or gate.shape != up.shape
+        or gate.dtype != mx.float32
+        or up.dtype != mx.float32
+        or gate.ndim == 0
+        or gate.size < MIN_ROWS * gate.shape[-1]
+    ):
+        return None
+    lib = kernels()
+    if lib is None:
+        return None
+    mx.eval(gate, up)
+    g, u = np.ascontiguousarray(gate), np.ascontiguousarray(up)
+    out = np.empty(g.shape, dtype=np.float32)
+    status = lib.lib.mlxgw_gated_mul(
+        g.ctypes.data, u.ctypes.data, out.ctypes.data, g.size, kind, lib.threads, int(lib.generic)
+    )
+    if status != 0:
+        return None
+    return mx.array(out)
+
+
+@functools.cache
+def gemm_rows() -> tuple[int, int]:
+    """The fewest and most rows the small-GEMM kernel takes, by the BLAS loaded."""
+    choice = backend.blas_choice()
+    path = (choice.path or "") if choice is not None else ""
+    return GEMM_ROWS_OPENBLAS if "openblas" in Path(path).name else GEMM_ROWS
+
+
+def linear(x: mx.array, weight: mx.array) -> mx.array | None:
+    """x @ weight.T for a few float32 rows (`gemm_rows`), or None to use MLX instead."""
+    rows = x.size // x.shape[-1] if x.ndim else 0
+    fewest, most = gemm_rows()
+    if (
+        not fewest <= rows <= most
+        or weight.ndim != 2
+        or x.dtype != mx.float32
+        or weight.dtype != mx.float32
+        or weight.shape[1] != x.shape[-1]
+    ):
+        return None
+    lib = kernels()
+    if lib is None:
+        return None
+    mx.eval(x)
+    xn = np.ascontiguousarray(x)
+    wn = np.asarray(weight)
+    if not wn.flags.c_contiguous:
+        return None  # a transposed or sliced weight: not worth a copy per call
+    out = np.empty((*x.shape[:-1], weight.shape[0]), dtype=np.float32)
+    # a small matrix is read faster than a thread starts
+    threads = lib.threads if weight.size >= GEMM_THREAD_FLOATS else 1
+    status = lib.lib.mlxgw_small_gemm(
+        xn.ctypes.data, wn.ctypes.data, out.ctypes.data, rows, weight.shape[0],
+        weight.shape[1], threads, int(lib.generic),
+    )  # fmt: skip
+    return mx.array(out) if status == 0 else None
