@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gateway.core.served import ServedModel
+    from gateway.core.models.served import ServedModel
 
 CHAT, RESPONSES, MESSAGES = "/v1/chat/completions", "/v1/responses", "/v1/messages"
 # client -> (capture, the route that client sends it to)
@@ -87,8 +87,8 @@ def _tokens(served: ServedModel, route: str, body: dict[str, Any]) -> list[int]:
     from gateway.core.prepare import prepare
     from gateway.openai import adapt as chat_adapt
     from gateway.openai import wire as chat_wire
-    from gateway.openai.responses_adapt import response_plan
-    from gateway.openai.responses_wire import ResponsesRequest
+    from gateway.openai.responses.adapt import response_plan
+    from gateway.openai.responses.wire import ResponsesRequest
 
     body = {**body, "model": served.id}
     tools = served.caps.tools

@@ -400,7 +400,7 @@ def bench_server(
 def mlx_folder(gguf: Path, alias: str, acct: Accountant) -> Path:
     """Our loader's float32 weights as a HF folder (bench/decode.py writes it), plus the
     tokenizer files mlx-lm's loader needs, offline. A HF folder serves as it is."""
-    from gateway.cli.store import gateway_home
+    from gateway.cli.store.store import gateway_home
 
     if gguf.is_dir():
         return gguf
@@ -572,7 +572,7 @@ def run_all(
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _args(argv)
-    from gateway.cli.store import Store
+    from gateway.cli.store.store import Store
 
     gguf = Store().resolve(args.model)
     acct = Accountant(gguf)

@@ -362,7 +362,7 @@ def long_prompts(alias: str, n_tokens: int) -> tuple[str, str]:
     (the chat template's few tokens aside), differing from their first words on."""
     from bench._long_prompts import _code_text
     from bench.agent_replay import Accountant
-    from gateway.cli.store import Store
+    from gateway.cli.store.store import Store
 
     acct = Accountant(Store().resolve(alias))
     head = "Read this code and explain in a few sentences what each part does.\n\n"
@@ -394,7 +394,7 @@ def gateway_spec(alias: str, port: int, name: str, *extra: str) -> ServerSpec:
 
 def mlx_spec(alias: str, port: int) -> ServerSpec:
     from bench.agent_replay import Accountant, mlx_folder
-    from gateway.cli.store import Store
+    from gateway.cli.store.store import Store
 
     gguf = Store().resolve(alias)
     spec = _mlx_spec(mlx_folder(gguf, alias, Accountant(gguf)), port, BATCH, MLX_BATCHING)

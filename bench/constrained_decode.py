@@ -92,7 +92,7 @@ def _model(name: str, scratch: Path) -> LoadedModel:
         from tests.fixtures_real import npm_tokenizer_dir
 
         return load(build_tiny_qwen3(npm_tokenizer_dir("qwen3"), scratch / "tiny"))
-    from gateway.cli.store import Store
+    from gateway.cli.store.store import Store
 
     return load(Store().resolve(name))
 

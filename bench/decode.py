@@ -209,7 +209,7 @@ def main() -> None:
     )
     args = p.parse_args()
 
-    from gateway.cli.store import Store, gateway_home
+    from gateway.cli.store.store import Store, gateway_home
 
     rows = []
     for alias in args.models:

@@ -226,7 +226,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from gateway.cli.store import Store
+    from gateway.cli.store.store import Store
 
     print(f"{os.cpu_count()} cores; prompt {args.prompt_tokens} tokens, {args.gen_tokens} "
           f"generated, batch {args.batch}; backend {args.backend}")  # fmt: skip

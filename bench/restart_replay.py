@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.conversations, args.turns, args.system_tokens, args.max_tokens = 2, 2, 600, 8
     if args.turns < 2:
         p.error("--turns must be at least 2 (half before the restart, half after)")
-    from gateway.cli.store import Store
+    from gateway.cli.store.store import Store
 
     gguf = Store().resolve(args.model)
     acct = Accountant(gguf)

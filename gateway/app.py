@@ -15,19 +15,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.admin.debug import prefix_cache
-from gateway.admin.models import get_model, health, health_live, health_ready, list_models
-from gateway.admin.tokenize import detokenize, tokenize
-from gateway.anthropic.routes import count_tokens, messages, root
+from gateway import admin, anthropic, openai
+from gateway.admin import MetricsMiddleware
 from gateway.core.auth import ApiKeyMiddleware
 from gateway.core.errors import APIError, InternalError
-from gateway.core.metrics import Metrics, MetricsMiddleware, metrics_endpoint
-from gateway.core.models_registry import ModelRegistry
-from gateway.core.served import ServedModel
+from gateway.core.metrics import Metrics
+from gateway.core.models.registry import ModelRegistry
+from gateway.core.models.served import ServedModel
 from gateway.core.settings import ServerSettings
-from gateway.openai.chat import chat_completions
-from gateway.openai.completions import completions
-from gateway.openai.responses import create_response, delete_response, get_response
 
 log = logging.getLogger(__name__)
 
@@ -90,26 +85,8 @@ def _middleware(settings: ServerSettings, metrics: Metrics) -> list[Middleware]:
 
 
 def _routes() -> list[Route]:
-    return [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/responses", create_response, methods=["POST"]),
-        Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
-        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
-        Route("/v1/messages", messages, methods=["POST"]),
-        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
-        Route("/", root, methods=["GET", "HEAD"]),
-        Route("/api/hello", root, methods=["GET", "HEAD"]),
-        Route("/v1/models", list_models, methods=["GET"]),
-        Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/health/live", health_live, methods=["GET"]),
-        Route("/health/ready", health_ready, methods=["GET"]),
-        Route("/metrics", metrics_endpoint, methods=["GET"]),
-        Route("/debug/prefix-cache", prefix_cache, methods=["GET"]),
-    ]
+    # each dialect exports its routes; the server's own endpoints come last
+    return [*openai.ROUTES, *anthropic.ROUTES, *admin.ROUTES]
 
 
 def _one(load: Callable[[], ServedModel]) -> ModelRegistry:

@@ -5,7 +5,7 @@
 CASES holds one folder per tiny model (a checkpoint, and `reference.json`: the modes to
 run and the single-process engine's results, written by the test with `serve_script`).
 For each case and mode every rank loads its part with `load_sharded` and serves as
-`mlx-gateway serve --distributed` does (gateway/cli/distributed.py): rank 0 an Engine
+`mlx-gateway serve --distributed` does (gateway/cli/serve/distributed.py): rank 0 an Engine
 whose LockstepRunner leads the group, every other rank `follow`. Rank 0 runs
 `serve_script` (the same requests as the single-process run, same settings) and writes
 its results; every rank writes OUT/rank<r>.json after each case, so a failure shows
@@ -167,7 +167,7 @@ def single_process(loaded: Any) -> dict[str, Any]:
 
 
 def _lead(loaded: Any, channel: Channel) -> dict[str, Any]:
-    """Rank 0, as gateway/cli/distributed.py's `_lead` builds it (without HTTP)."""
+    """Rank 0, as gateway/cli/serve/distributed.py's `_lead` builds it (without HTTP)."""
     runner = LockstepRunner(loaded, SETTINGS, channel, timeout=TIMEOUT_S, slow_bound=SLOW_S)
     engine = Engine(runner, max_queue=64, stall_seconds=SLOW_S)
     runner.on_lost = engine.halt

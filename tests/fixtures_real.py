@@ -20,7 +20,7 @@ from typing import NoReturn
 
 import pytest
 
-from gateway.cli.store import FetchError, Store, file_lock, gateway_home
+from gateway.cli.store.store import FetchError, Store, file_lock, gateway_home
 
 __all__ = [
     "deepseek_v3_tokenizer_dir",

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from gateway.cli import hub
-from gateway.cli.names import RepoRef
+from gateway.cli.store.names import RepoRef
+from gateway.cli.store import hub
 
 _RECORDERS: list[list[str]] = []
 _HOOKED: list[bool] = []

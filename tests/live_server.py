@@ -13,10 +13,10 @@ from typing import Any
 import uvicorn
 
 from gateway.app import create_app
-from gateway.core.models_registry import ModelRegistry
-from gateway.core.served import ServedModel
+from gateway.core.models.registry import ModelRegistry
+from gateway.core.models.served import ServedModel
 from gateway.core.settings import ServerSettings
-from gateway.head_deadline import head_deadline_protocol
+from gateway.server.head_deadline import head_deadline_protocol
 
 
 def free_port() -> int:

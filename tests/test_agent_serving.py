@@ -26,10 +26,10 @@ from openai.types import Model  # noqa: E402
 from gateway.cli.main import _parser, model_aliases, server_settings  # noqa: E402
 from gateway.core.errors import InvalidRequest  # noqa: E402
 from gateway.core.generation import budget, requests_for  # noqa: E402
+from gateway.core.models.build import build_served, sampling_defaults  # noqa: E402
+from gateway.core.models.served import ServedModel  # noqa: E402
 from gateway.core.plan import CachePin  # noqa: E402
 from gateway.core.prepare import prepare  # noqa: E402
-from gateway.core.served import ServedModel  # noqa: E402
-from gateway.core.serving import build_served, sampling_defaults  # noqa: E402
 from gateway.core.settings import DEFAULT_MAX_TOKENS, ServerSettings  # noqa: E402
 from gateway.openai import adapt as adapters  # noqa: E402
 from gateway.openai import wire  # noqa: E402

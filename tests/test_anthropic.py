@@ -22,7 +22,7 @@ import pytest
 
 from gateway.anthropic import adapt, wire
 from gateway.anthropic.routes import prepare_messages
-from gateway.core.serving import EngineSettings, build_served
+from gateway.core.models.build import EngineSettings, build_served
 from gateway.core.settings import ServerSettings
 from tests.anthropic_checks import (
     HELLO,

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import hub
 from gateway.cli.errors import BadModelName
 from gateway.cli.main import main
-from gateway.cli.names import RepoRef, parse_repo_ref
-from gateway.cli.store import FetchError, NotAModel, Store, UnknownModel
+from gateway.cli.store.names import RepoRef, parse_repo_ref
+from gateway.cli.store import hub
+from gateway.cli.store.store import FetchError, NotAModel, Store, UnknownModel
 
 
 @pytest.fixture(autouse=True)

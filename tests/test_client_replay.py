@@ -20,12 +20,12 @@ import httpx
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
+from gateway.core.models.build import build_served
 from gateway.core.prepare import prepare
-from gateway.core.serving import build_served
 from gateway.openai import adapt as chat_adapt
 from gateway.openai import wire as chat_wire
-from gateway.openai.responses_adapt import response_plan
-from gateway.openai.responses_wire import ResponsesRequest
+from gateway.openai.responses.adapt import response_plan
+from gateway.openai.responses.wire import ResponsesRequest
 from tests.live_server import live_server
 
 MODEL = "tiny-qwen3"

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.core.serving import EngineSettings, build_served
+from gateway.core.models.build import EngineSettings, build_served
 from tests.live_server import live_server
 from tests.openai_checks import chat_body, chat_chunks, chat_texts, post, stream
 

@@ -47,7 +47,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from gateway.core.serving import EngineSettings, build_served
+from gateway.core.models.build import EngineSettings, build_served
 from runtime.distributed.channel import Channel, Command, Round
 from runtime.distributed.replica import GroupMemory, LockstepPrefixCache
 from runtime.engine.engine import (

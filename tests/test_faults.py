@@ -36,8 +36,8 @@ import httpx
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from gateway.core.served import ServedModel
-from gateway.core.serving import build_served
+from gateway.core.models.build import build_served
+from gateway.core.models.served import ServedModel
 from runtime.engine.engine import Engine
 from runtime.prefix.disk.files import SUFFIX, TMP_SUFFIX, BadEntry, read_header
 from tests.anthropic_checks import check_error, check_message, check_stream, read_events

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from gateway.cli.main import main
-from gateway.core.serving import build_served
+from gateway.core.models.build import build_served
 from tests.anthropic_checks import check_error
 from tests.hostile_fixtures import no_hub_fixture, opened_fixture  # noqa: F401
 from tests.live_server import live_server
@@ -88,7 +88,7 @@ def vision(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
     --allow-private-urls starts it."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from gateway.core.serving import EngineSettings
+    from gateway.core.models.build import EngineSettings
     from tests.test_models_vision import save_tiny_vision
 
     folder = tmp_path_factory.mktemp("vision")

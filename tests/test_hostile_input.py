@@ -35,8 +35,8 @@ import pytest
 
 from gateway.cli.main import main
 from gateway.core import auth
-from gateway.core.served import ServedModel
-from gateway.core.serving import build_served
+from gateway.core.models.build import build_served
+from gateway.core.models.served import ServedModel
 from gateway.core.settings import ServerSettings
 from runtime.engine.engine import Engine, RequestHandle
 from runtime.types import Finished, FinishReason, GenerationStats, TextDelta

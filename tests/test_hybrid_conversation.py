@@ -23,7 +23,7 @@ anthropic = pytest.importorskip("anthropic")
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from gateway.core.serving import build_served  # noqa: E402
+from gateway.core.models.build import build_served  # noqa: E402
 from tests import tiny_hybrid  # noqa: E402
 from tests.live_server import live_server  # noqa: E402
 from tests.tiny_models import save_tiny  # noqa: E402

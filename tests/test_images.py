@@ -23,7 +23,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from gateway.core.images import ImageFetchError, ImagePolicy, read_data_url, read_source
-from gateway.core.serving import build_served
+from gateway.core.models.build import build_served
 from runtime.vision.preprocess import (
     ImageLimits,
     ImageTooLarge,

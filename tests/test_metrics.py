@@ -16,14 +16,13 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from gateway.admin.metrics import MetricsMiddleware, metrics_endpoint
 from gateway.core.metrics import (
     READINGS,
     EngineView,
     Metrics,
-    MetricsMiddleware,
     RusageCollector,
     gauge,
-    metrics_endpoint,
     render,
     stat,
 )

@@ -1,4 +1,4 @@
-"""Several models behind one server (gateway/core/models_registry.py): listed loaded or
+"""Several models behind one server (gateway/core/models/registry.py): listed loaded or
 not, each request routed to the model it names, loaded on demand on a thread of its own
 (streams get keepalives meanwhile), unloaded after --keep-alive idle seconds and least
 recently used first when the memory budget fits only one; unknown names are 404s in each
@@ -27,17 +27,17 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from gateway.cli import main as cli  # noqa: E402
 from gateway.cli.errors import CliError  # noqa: E402
-from gateway.cli.serve_models import ModelConfig, from_flags, read_config  # noqa: E402
-from gateway.core.model_memory import (  # noqa: E402
+from gateway.cli.serve.models import ModelConfig, from_flags, read_config  # noqa: E402
+from gateway.core.models.build import EngineSettings, build_served  # noqa: E402
+from gateway.core.models.memory import (  # noqa: E402
     MIN_CACHE_BYTES,
     cache_budget,
     physical_memory,
     served_bytes,
     weight_file_bytes,
 )
-from gateway.core.models_registry import ModelRegistry, ModelSpec, ModelState  # noqa: E402
-from gateway.core.served import ServedModel  # noqa: E402
-from gateway.core.serving import EngineSettings, build_served  # noqa: E402
+from gateway.core.models.registry import ModelRegistry, ModelSpec, ModelState  # noqa: E402
+from gateway.core.models.served import ServedModel  # noqa: E402
 from gateway.core.settings import ServerSettings  # noqa: E402
 from tests.agent_model import build_tiny_qwen3  # noqa: E402
 from tests.anthropic_checks import (  # noqa: E402

@@ -14,7 +14,7 @@ import pytest
 openai = pytest.importorskip("openai")
 from openai.types import Model  # noqa: E402
 
-from gateway.core.serving import build_served  # noqa: E402
+from gateway.core.models.build import build_served  # noqa: E402
 from tests.live_server import live_server  # noqa: E402
 from tests.openai_checks import (  # noqa: E402
     chat_body,

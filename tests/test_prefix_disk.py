@@ -28,7 +28,7 @@ import pytest
 import runtime.prefix.disk.files as prefix_files
 import runtime.prefix.disk.tier as prefix_disk
 from gateway.cli.main import _engine_settings, _parser
-from gateway.core.serving import model_folder
+from gateway.core.models.build import model_folder
 from runtime.cache import KVCache, LatentCache, RecurrentCache, RotatingKVCache
 from runtime.cache.codec import Encoded, decode, encode
 from runtime.engine.engine import Engine, RequestHandle

@@ -23,7 +23,7 @@ from pydantic import TypeAdapter
 openai = pytest.importorskip("openai")
 from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
 
-from gateway.core.serving import build_served  # noqa: E402
+from gateway.core.models.build import build_served  # noqa: E402
 from gateway.core.settings import ServerSettings  # noqa: E402
 from tests.live_server import live_server  # noqa: E402
 
@@ -362,7 +362,7 @@ def test_namespace_tools_are_flattened_and_mapped_back(base_url: str) -> None:
 
 
 def test_hosted_tools_are_left_out(base_url: str, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="gateway.openai.responses_adapt")
+    caplog.set_level("INFO", logger="gateway.openai.responses.adapt")
     alone = _body(
         _post(base_url, {"model": TINY, "input": "Hi", "tools": HOSTED, "max_output_tokens": 2})
     )

@@ -12,16 +12,16 @@ from openai.types.responses import Response
 
 from gateway.core.errors import InternalError, NotFound
 from gateway.core.reply import Reply
-from gateway.openai.responses_adapt import (
+from gateway.openai.responses.adapt import (
     ToolRef,
     input_items,
     response_plan,
     to_messages,
     tool_plan,
 )
-from gateway.openai.responses_emit import ResponseBuilder, custom_input, envelope
-from gateway.openai.responses_store import ReasoningSeal, ResponseStore
-from gateway.openai.responses_wire import ResponsesRequest
+from gateway.openai.responses.emit import ResponseBuilder, custom_input, envelope
+from gateway.openai.responses.store import ReasoningSeal, ResponseStore
+from gateway.openai.responses.wire import ResponsesRequest
 from parsers.events import Content, ToolCallArgs, ToolCallEnd, ToolCallStart
 from runtime.types import Finished, FinishReason, GenerationStats
 from tests.test_responses import APPLY_PATCH, EVENTS, HOSTED, PATCH_GRAMMAR, PING

@@ -21,8 +21,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from gateway.core.served import ServedModel  # noqa: E402
-from gateway.core.serving import build_served  # noqa: E402
+from gateway.core.models.build import build_served  # noqa: E402
+from gateway.core.models.served import ServedModel  # noqa: E402
 from gateway.core.settings import ServerSettings  # noqa: E402
 from runtime.engine.engine import Engine, RequestHandle  # noqa: E402
 from runtime.types import Finished, FinishReason, GenerationStats, TextDelta  # noqa: E402

@@ -30,8 +30,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.core.served import ServedModel
-from gateway.core.serving import build_served
+from gateway.core.models.build import build_served
+from gateway.core.models.served import ServedModel
 from runtime.engine.engine import BatchRunner, Engine, RequestHandle, Runner
 from runtime.engine.runner import ModelRunner, RunnerSettings
 from runtime.types import Finished, FinishReason, GenerationStats, TextDelta

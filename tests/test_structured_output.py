@@ -18,7 +18,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from gateway.core.serving import build_served
+from gateway.core.models.build import build_served
 from runtime.text.tokenizer import Tokenizer
 from tests.live_server import live_server
 from tests.schema_cases import SCHEMAS, TIME_TOOL_PARAMS, WEATHER_TOOL_PARAMS, bounded

@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai")
 from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 
 import parsers  # noqa: E402
-from gateway.core.serving import build_served  # noqa: E402
+from gateway.core.models.build import build_served  # noqa: E402
 from parsers.events import ToolCallStart  # noqa: E402
 from tests.live_server import live_server  # noqa: E402
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from gateway.core.errors import NotFound
-from gateway.core.model_use import registry
+from gateway.core.models.use import registry
 
 
 async def prefix_cache(request: Request) -> JSONResponse:
@@ -33,3 +34,8 @@ async def prefix_cache(request: Request) -> JSONResponse:
     finally:
         lease.release()
     return JSONResponse(view)
+
+
+ROUTES = [
+    Route("/debug/prefix-cache", prefix_cache, methods=["GET"]),
+]

@@ -8,13 +8,14 @@ from functools import partial
 from anyio import to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from gateway.core.errors import InvalidRequest, Unprocessable
 from gateway.core.http import read_json, validate
 from gateway.core.images import expand_markers, image_sources, read_images, require_vision
-from gateway.core.model_use import with_model
+from gateway.core.models.served import ServedModel
+from gateway.core.models.use import with_model
 from gateway.core.plan import render_options
-from gateway.core.served import ServedModel
 from gateway.openai import adapt as adapters
 from gateway.openai.wire import DetokenizeRequest, TokenizeRequest
 from templates import TemplateError
@@ -88,3 +89,9 @@ async def _detokenize(req: DetokenizeRequest, served: ServedModel) -> Response:
         )
     text = served.loaded.tokenizer.decode(req.tokens, skip_special_tokens=False)
     return JSONResponse({"prompt": text})
+
+
+ROUTES = [
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+]

@@ -20,6 +20,7 @@ from anyio import to_thread
 from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 import parsers
 from gateway.anthropic import adapt
@@ -35,11 +36,11 @@ from gateway.core.generation import (
     until_disconnect,
 )
 from gateway.core.http import read_json, server_settings, validate
-from gateway.core.model_use import with_model
+from gateway.core.models.served import ServedModel
+from gateway.core.models.use import with_model
 from gateway.core.plan import ChatPlan
 from gateway.core.prepare import Prepared, check_chat, new_parser, prepare
 from gateway.core.reply import Reply, parsed
-from gateway.core.served import ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -175,3 +176,11 @@ async def _count(req: CountTokensRequest, served: ServedModel) -> Response:
 async def root(request: Request) -> Response:
     """Claude Code probes the base URL (HEAD /) and preconnects with HEAD /api/hello."""
     return JSONResponse({"name": "mlx-gateway", "status": "ok"})
+
+
+ROUTES = [
+    Route("/v1/messages", messages, methods=["POST"]),
+    Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+    Route("/", root, methods=["GET", "HEAD"]),
+    Route("/api/hello", root, methods=["GET", "HEAD"]),
+]

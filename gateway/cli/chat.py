@@ -6,13 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from gateway.core.serving import EngineSettings, build_served
+from gateway.core.models.build import EngineSettings, build_served
 from runtime.types import Finished, GenerationRequest, SamplingParams, TextDelta
 from templates.types import Message, RenderOptions
 
 
 def _answer(served: object, history: list[Message], args: argparse.Namespace) -> str:
-    from gateway.core.served import ServedModel
+    from gateway.core.models.served import ServedModel
 
     assert isinstance(served, ServedModel)
     if not served.caps.chat:

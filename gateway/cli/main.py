@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from gateway.cli.errors import FAILED, CliError, StoreError
-from gateway.core.serving import EngineSettings
+from gateway.core.models.build import EngineSettings
 from gateway.core.settings import (
     API_KEY_ENV,
     DEFAULT_MAX_BODY_BYTES,
@@ -26,8 +26,8 @@ from gateway.core.settings import (
 )
 
 if TYPE_CHECKING:
-    from gateway.cli.serve_models import ModelConfig
-    from gateway.core.models_registry import ModelRegistry
+    from gateway.cli.serve.models import ModelConfig
+    from gateway.core.models.registry import ModelRegistry
 
 DEFAULT_MODEL = "smollm2-135m"
 ENV_PREFIX = "MLX_GATEWAY_"
@@ -145,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     _models_args(s)
     _engine_args(s)
     _server_args(s)
-    from gateway.cli.distributed import add_distributed_args
+    from gateway.cli.serve.distributed import add_distributed_args
 
     add_distributed_args(s)
 
@@ -396,7 +396,7 @@ def _resolve(name: str) -> tuple[Path, str]:
     """The model's path and the id clients see: an alias or repo id as given, else the
     file or folder name."""
     from gateway.cli.launch.server import requested_id
-    from gateway.cli.store import Store
+    from gateway.cli.store.store import Store
 
     return Store().resolve(name), requested_id(name)
 
@@ -405,7 +405,7 @@ def _serve(args: argparse.Namespace) -> int:
     import dataclasses
 
     from gateway.app import create_app
-    from gateway.server import run_server
+    from gateway.server.run import run_server
 
     server = server_settings(args)
     if args.engine_stall_seconds <= 0:
@@ -415,7 +415,7 @@ def _serve(args: argparse.Namespace) -> int:
         _engine_settings(args), stall_seconds=stall, allow_private_urls=args.allow_private_urls
     )
     if args.distributed:  # one model over the ranks mlx.launch started
-        from gateway.cli.distributed import serve_distributed
+        from gateway.cli.serve.distributed import serve_distributed
 
         return serve_distributed(args, settings, server, _model_configs(args), _resolve)
     registry = _registry(args, settings)  # after the checks: it may download
@@ -444,7 +444,7 @@ def _model_configs(args: argparse.Namespace) -> list[ModelConfig]:
     """The models to serve: --config's, else each --model (else $MLX_GATEWAY_MODEL)."""
     import dataclasses
 
-    from gateway.cli import serve_models
+    from gateway.cli.serve import models as serve_models
 
     aliases = model_aliases(args)  # for the default model, however the models are given
     config = args.config
@@ -462,9 +462,9 @@ def _model_configs(args: argparse.Namespace) -> list[ModelConfig]:
 
 def _registry(args: argparse.Namespace, settings: EngineSettings) -> ModelRegistry:
     """The registry of the models to serve, each loaded on demand."""
-    from gateway.cli import serve_models
-    from gateway.core.model_memory import default_memory_budget
-    from gateway.core.models_registry import ModelRegistry
+    from gateway.cli.serve import models as serve_models
+    from gateway.core.models.memory import default_memory_budget
+    from gateway.core.models.registry import ModelRegistry
 
     configs = _model_configs(args)
     budget = args.memory_budget or default_memory_budget()
@@ -476,14 +476,14 @@ def _registry(args: argparse.Namespace, settings: EngineSettings) -> ModelRegist
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from gateway.cli.store import Store
+    from gateway.cli.store.store import Store
 
     print(Store().pull_name(args.model))
     return 0
 
 
 def _list(_: argparse.Namespace) -> int:
-    from gateway.cli.store import Store
+    from gateway.cli.store.store import Store
 
     for item in Store().list():
         mark = "*" if item.present else " "

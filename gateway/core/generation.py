@@ -31,8 +31,8 @@ from gateway.core.errors import (
     RateLimited,
 )
 from gateway.core.metrics import Metrics
+from gateway.core.models.served import ServedModel
 from gateway.core.plan import CachePin
-from gateway.core.served import ServedModel
 from gateway.core.settings import ServerSettings
 from runtime.engine.engine import (
     EngineFailure,

@@ -25,18 +25,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runtime.engine.engine import EngineStats
 from runtime.types import FinishReason, GenerationStats
 
 if TYPE_CHECKING:
-    from gateway.core.models_registry import ModelRegistry
+    pass
 
-# the 0.0.4 text format is what generate_latest writes
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "mlx_gateway_"
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -242,45 +237,3 @@ class RusageCollector(Collector):
 def render(metrics: Metrics, *, model: str, queue_depth: int, engine: EngineStats) -> str:
     """The exposition text; `engine` is read, never written (the worker owns it)."""
     return metrics.render(EngineView(model=model, queue_depth=queue_depth, stats=engine))
-
-
-def _route(scope: Scope) -> str:
-    route = scope.get("route")
-    path = getattr(route, "path", None)
-    # unmatched paths share one label, so random URLs cannot grow the series without bound
-    return path if isinstance(path, str) else "unmatched"
-
-
-class MetricsMiddleware:
-    def __init__(self, app: ASGIApp, *, metrics: Metrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        metrics = self.metrics
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500
-
-        async def watch(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            await send(message)
-
-        metrics.in_flight.inc()
-        try:
-            await self.app(scope, receive, watch)
-        finally:
-            metrics.in_flight.dec()
-            metrics.request_done(scope["method"], _route(scope), status)
-
-
-async def metrics_endpoint(request: Request) -> Response:
-    """Every configured model's engine series; an unloaded model's counters keep what its
-    earlier engines counted, its gauges read 0."""
-    metrics: Metrics = request.app.state.metrics
-    models: ModelRegistry = request.app.state.models
-    views = [EngineView(s.spec.id, s.queue_depth, s.stats) for s in models.status()]
-    return Response(metrics.render(views), media_type=CONTENT_TYPE)

@@ -16,8 +16,8 @@ from gateway.core.images import (
     read_images,
     require_vision,
 )
+from gateway.core.models.served import ServedModel
 from gateway.core.plan import ChatPlan, has_images
-from gateway.core.served import ServedModel
 from gateway.core.structured import forced_call, request_constraint
 from parsers.events import Event
 from runtime.types import Constraint, PromptImage, ReasoningBudget

@@ -31,7 +31,7 @@ class ServerSettings:
     # gets a 408 and the connection closes, instead of holding it open for ever
     body_timeout_seconds: float = 60.0
     # the most a request's head (request line and headers) may take, from the connection
-    # or its first byte: a 408 and the connection closes (gateway/head_deadline.py)
+    # or its first byte: a 408 and the connection closes (gateway/server/head_deadline.py)
     head_timeout_seconds: float = 30.0
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from anyio import to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from gateway.core.errors import InvalidRequest
 from gateway.core.generation import (
@@ -29,8 +30,8 @@ from gateway.core.generation import (
     until_disconnect,
 )
 from gateway.core.http import read_json, server_settings, validate
-from gateway.core.model_use import with_model
-from gateway.core.served import ServedModel
+from gateway.core.models.served import ServedModel
+from gateway.core.models.use import with_model
 from gateway.core.settings import ServerSettings
 from gateway.openai import adapt as adapters
 from gateway.openai.emit import FINISH, TextStream, Usage, legacy_logprobs
@@ -223,3 +224,8 @@ async def _stream(
     if plan.include_usage:
         yield sse_data(fmt.usage_chunk(totals))
     yield DONE
+
+
+ROUTES = [
+    Route("/v1/completions", completions, methods=["POST"]),
+]

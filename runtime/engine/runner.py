@@ -50,7 +50,7 @@ def default_prefix_cache_bytes() -> int:
 
 def default_cache_memory_bytes() -> int:
     """Two fifths of physical memory for the batch and the trie together (the server
-    sets it from its memory budget: gateway/core/model_memory.py)."""
+    sets it from its memory budget: gateway/core/models/memory.py)."""
     return 2 * default_prefix_cache_bytes()
 
 

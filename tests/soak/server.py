@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway.core.serving import model_folder
+from gateway.core.models.build import model_folder
 
 CHAT_MODEL = "soak-chat"
 TOOLS_MODEL = "soak-tools"

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.cli.store import gateway_home
+from gateway.cli.store.store import gateway_home
 
 KEEP_BACKUPS = 5
 

@@ -18,7 +18,7 @@ from typing import TextIO
 from gateway.cli.launch import server as srv
 from gateway.cli.launch.base import ROOM, Asker, Client, LaunchError, Target
 from gateway.cli.launch.files import write_atomic
-from gateway.cli.store import gateway_home
+from gateway.cli.store.store import gateway_home
 
 # Known aliases with a long context, for the warning to name (largest last).
 LONG_CONTEXT_ALIASES = (("qwen2.5-coder-0.5b", 32_768),)

@@ -27,7 +27,7 @@ from gateway.cli.launch.base import (
 )
 from gateway.cli.launch.binaries import find_node
 from gateway.cli.launch.files import write_atomic
-from gateway.cli.store import gateway_home
+from gateway.cli.store.store import gateway_home
 
 API = "openai-completions"
 TIMEOUT_S = 3600  # model requests on a CPU can take minutes before the first token

@@ -13,7 +13,7 @@ from typing import Any
 
 from gateway.core.capabilities import detect
 from gateway.core.images import ImagePolicy
-from gateway.core.served import ServedModel
+from gateway.core.models.served import ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class EngineSettings:
     snapshot_interval: int = 1024
     # what this server's models may take, weights and caches (None: no bound here) and
     # this model's cache memory, batch and trie (None: the runtime's default); a model
-    # whose measured weights leave less room gets less (gateway/core/model_memory.py)
+    # whose measured weights leave less room gets less (gateway/core/models/memory.py)
     memory_budget: int | None = None
     cache_memory_bytes: int | None = None
     template_family: str | None = None  # force a built-in renderer
@@ -124,7 +124,7 @@ def _cache_memory(model: object, settings: EngineSettings) -> int | None:
     """The model's cache memory: as configured, but no more than the budget leaves
     after its measured weights (a quantized file dequantized on a CPU is bigger than its
     estimate)."""
-    from gateway.core.model_memory import MIN_CACHE_BYTES, parameter_bytes
+    from gateway.core.models.memory import MIN_CACHE_BYTES, parameter_bytes
 
     cache = settings.cache_memory_bytes
     weights = parameter_bytes(model) if settings.memory_budget is not None else None

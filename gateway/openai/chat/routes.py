@@ -10,6 +10,7 @@ from typing import Any
 from anyio import to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 import parsers
 from gateway.core.generation import (
@@ -24,12 +25,12 @@ from gateway.core.generation import (
     until_disconnect,
 )
 from gateway.core.http import read_json, server_settings, validate
-from gateway.core.model_use import with_model
+from gateway.core.models.served import ServedModel
+from gateway.core.models.use import with_model
 from gateway.core.plan import ChatPlan
 from gateway.core.prepare import check_chat, new_parser, prepare
-from gateway.core.served import ServedModel
 from gateway.openai import adapt as adapters
-from gateway.openai.chat_output import ChatOutput
+from gateway.openai.chat.output import ChatOutput
 from gateway.openai.emit import FINISH, ChatStream, Usage, logprobs_content
 from gateway.openai.wire import ChatCompletionRequest
 from runtime.types import Finished, FinishReason, TextDelta, TokenLogprob
@@ -169,3 +170,8 @@ async def _collect(
         lp = logprobs_content(state.logprobs) if plan.sampling.logprobs else None
         choices.append(fmt.choice(index, out.message(), _finish_reason(state.done, out), lp))
     return fmt.completion(choices, totals)
+
+
+ROUTES = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+]

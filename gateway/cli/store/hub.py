@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TextIO
 
 from gateway.cli.errors import FAILED, USAGE, StoreError
-from gateway.cli.names import RepoRef
 from gateway.cli.progress import note
+from gateway.cli.store.names import RepoRef
 
 # What the loader reads from a Hugging Face folder; nothing else is downloaded.
 MODEL_FILES = (

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from gateway.cli.errors import CliError
-from gateway.core.model_memory import cache_budget, weight_file_bytes
-from gateway.core.models_registry import ModelSpec
-from gateway.core.served import ServedModel
-from gateway.core.serving import _SAMPLING, EngineSettings
+from gateway.core.models.build import _SAMPLING, EngineSettings
+from gateway.core.models.memory import cache_budget, weight_file_bytes
+from gateway.core.models.registry import ModelSpec
+from gateway.core.models.served import ServedModel
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -207,7 +207,7 @@ def _builder(
     path: Path, model_id: str, cfg: ModelConfig, settings: EngineSettings
 ) -> Callable[[], ServedModel]:
     def build() -> ServedModel:
-        from gateway.core.serving import build_served
+        from gateway.core.models.build import build_served
         from runtime.load.loader import load
 
         loaded = load(path)

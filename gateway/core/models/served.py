@@ -1,4 +1,4 @@
-"""A loaded model: its weights, renderer and engine (gateway/core/models_registry.py
+"""A loaded model: its weights, renderer and engine (gateway/core/models/registry.py
 loads and unloads them)."""
 
 from __future__ import annotations

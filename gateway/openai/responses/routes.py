@@ -22,6 +22,7 @@ from typing import Any
 from anyio import to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 import parsers
 from gateway.core.errors import APIError, NotFound
@@ -34,16 +35,16 @@ from gateway.core.generation import (
     until_disconnect,
 )
 from gateway.core.http import read_json, server_settings, validate
-from gateway.core.model_use import with_model
+from gateway.core.models.served import ServedModel
+from gateway.core.models.use import with_model
 from gateway.core.plan import ChatPlan
 from gateway.core.prepare import Prepared, check_chat, new_parser, prepare
 from gateway.core.reply import Reply, parsed
-from gateway.core.served import ServedModel
 from gateway.core.settings import ServerSettings
-from gateway.openai.responses_adapt import Adapted, response_plan
-from gateway.openai.responses_emit import Payload, ResponseBuilder, envelope
-from gateway.openai.responses_store import ResponseStore, responses_state
-from gateway.openai.responses_wire import ResponsesRequest
+from gateway.openai.responses.adapt import Adapted, response_plan
+from gateway.openai.responses.emit import Payload, ResponseBuilder, envelope
+from gateway.openai.responses.store import ResponseStore, responses_state
+from gateway.openai.responses.wire import ResponsesRequest
 from templates.types import Message
 
 log = logging.getLogger(__name__)
@@ -224,3 +225,10 @@ def fit(
     if dropped:
         log.info("truncation auto: dropped the oldest %d messages to fit the context", dropped)
     return plan, prep
+
+
+ROUTES = [
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+]

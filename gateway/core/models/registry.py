@@ -23,8 +23,8 @@ from enum import Enum
 from typing import Any
 
 from gateway.core.errors import InternalError, NotFound, Overloaded
-from gateway.core.model_memory import default_memory_budget, release_memory, served_bytes
-from gateway.core.served import ServedModel
+from gateway.core.models.memory import default_memory_budget, release_memory, served_bytes
+from gateway.core.models.served import ServedModel
 from runtime.backend import release_thread_streams
 from runtime.engine.engine import EngineState, EngineStats
 

@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING
 import uvicorn
 from starlette.applications import Starlette
 
-from gateway.cli.distributed import leave
 from gateway.cli.errors import FAILED
-from gateway.server import DrainingServer
+from gateway.cli.serve.distributed import leave
+from gateway.server.run import DrainingServer
 
 if TYPE_CHECKING:
     from runtime.distributed.lockstep import LockstepRunner
@@ -51,7 +51,7 @@ _POLL_S = 0.05
 
 def log_path(port: int) -> Path:
     """Where a lingering rank 0 logs (beside `mlx-gateway launch`'s serve-<port>.log)."""
-    from gateway.cli.store import gateway_home
+    from gateway.cli.store.store import gateway_home
 
     return gateway_home() / "logs" / f"distributed-rank0-{port}.log"
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gateway.core.served import ServedModel
+from gateway.core.models.served import ServedModel
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ cache's disk tier is not available. When the group loses a rank, rank 0's engine
 for good: requests get 503s that say why, so does /health, and the process stays up
 until it is stopped. It stays up past mlx.launch's SIGTERM too (the launcher sends one
 to every rank once a rank exits with an error), logging to a file from then on: a
-SIGINT or a second SIGTERM ends it (gateway/cli/distributed_stop.py).
+SIGINT or a second SIGTERM ends it (gateway/cli/serve/distributed_stop.py).
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from gateway.cli.errors import FAILED, CliError
-from gateway.core.serving import EngineSettings
+from gateway.core.models.build import EngineSettings
 from gateway.core.settings import ServerSettings
 
 if TYPE_CHECKING:
-    from gateway.cli.serve_models import ModelConfig
-    from gateway.core.models_registry import ModelRegistry
-    from gateway.core.served import ServedModel
+    from gateway.cli.serve.models import ModelConfig
+    from gateway.core.models.registry import ModelRegistry
+    from gateway.core.models.served import ServedModel
     from runtime.distributed.channel import Channel
     from runtime.distributed.group import Group
     from runtime.distributed.lockstep import LockstepRunner
@@ -93,7 +93,7 @@ def serve_distributed(
     cfg = _one_model(args, configs)
     if args.distributed_timeout <= 0:
         raise CliError("--distributed-timeout must be above 0")
-    from gateway.cli import serve_models
+    from gateway.cli.serve import models as serve_models
 
     serve_models.check_names([cfg])
     group = _join(args.distributed_backend)
@@ -178,11 +178,11 @@ def _lead(
 ) -> int:
     """Rank 0: the HTTP server, its engine leading the group."""
     from gateway.app import create_app
-    from gateway.cli.distributed_stop import GroupServer
     from gateway.cli.main import bind_warning, client_url
-    from gateway.core.model_memory import default_memory_budget
-    from gateway.core.serving import build_served
-    from gateway.server import run_server
+    from gateway.cli.serve.distributed_stop import GroupServer
+    from gateway.core.models.build import build_served
+    from gateway.core.models.memory import default_memory_budget
+    from gateway.server.run import run_server
     from runtime.distributed.lockstep import LockstepRunner
 
     def make_runner(model: LoadedModel, runner_settings: Any) -> LockstepRunner:
@@ -251,7 +251,7 @@ def _group_registry(served: ServedModel, runner: LockstepRunner) -> ModelRegistr
     process instead when the group was lost: the worker's collective is blocked for
     good, and freeing MLX memory would wait on it, holding the interpreter's lock. By
     then the drain has answered every client."""
-    from gateway.core.models_registry import ModelRegistry
+    from gateway.core.models.registry import ModelRegistry
 
     class GroupRegistry(ModelRegistry):
         def close(self, timeout: float = 30.0) -> None:

@@ -28,8 +28,8 @@ from gateway.core.plan import tool_plan as neutral_tool_plan
 from gateway.core.structured import custom_tool_grammar, format_constraint
 from gateway.openai import adapt as chat_adapt
 from gateway.openai import wire
-from gateway.openai.responses_wire import Item, Part, ResponsesRequest
-from gateway.openai.responses_wire import Tool as WireTool
+from gateway.openai.responses.wire import Item, Part, ResponsesRequest
+from gateway.openai.responses.wire import Tool as WireTool
 from parsers.grammars import GRAMMAR_KEY
 from runtime.types import Constraint, SamplingParams
 from templates.types import ImagePart, Message, RenderOptions, TextPart, Tool, ToolCall

@@ -22,8 +22,8 @@ from starlette.types import Receive, Scope, Send
 from gateway.core.errors import Overloaded
 from gateway.core.generation import ErrorEvents, errors_as_events, openai_error_events
 from gateway.core.http import server_settings
-from gateway.core.models_registry import Lease, ModelRegistry, ModelSpec
-from gateway.core.served import ServedModel
+from gateway.core.models.registry import Lease, ModelRegistry, ModelSpec
+from gateway.core.models.served import ServedModel
 
 log = logging.getLogger(__name__)
 
