@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from gateway.cli.store.names import RepoRef
 from gateway.cli.store import hub
+from gateway.cli.store.names import RepoRef
 
 _RECORDERS: list[list[str]] = []
 _HOOKED: list[bool] = []

@@ -10,8 +10,8 @@ import pytest
 
 from gateway.cli.errors import BadModelName
 from gateway.cli.main import main
-from gateway.cli.store.names import RepoRef, parse_repo_ref
 from gateway.cli.store import hub
+from gateway.cli.store.names import RepoRef, parse_repo_ref
 from gateway.cli.store.store import FetchError, NotAModel, Store, UnknownModel
 
 

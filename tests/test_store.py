@@ -19,6 +19,7 @@ from typing import Any, TextIO
 import pytest
 
 from gateway.cli.progress import Progress, format_bytes
+from gateway.cli.store import store as store_mod
 from gateway.cli.store.store import (
     ALIASES,
     ChecksumMismatch,
@@ -32,7 +33,6 @@ from gateway.cli.store.store import (
     WheelPart,
     file_lock,
 )
-from gateway.cli.store import store as store_mod
 
 PARTS = (b"GGUF" + b"a" * 3000, b"b" * 5000, b"c" * 7)
 WHOLE = b"".join(PARTS)
