@@ -93,7 +93,7 @@ def schema_check(schema: Mapping[str, Any]) -> Callable[[str], bool]:
 def tool_check(tools: Sequence[Mapping[str, Any]], opener: str) -> Callable[[str], bool]:
     """A finished output (after the forced `opener`) is, to the hermes parser, calls to
     declared tools whose arguments are valid against their parameter schemas."""
-    from tests.schema_cases import hermes_calls
+    from tests.support.schema_cases import hermes_calls
 
     declared = [dict(t) for t in tools]
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}

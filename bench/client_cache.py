@@ -138,8 +138,8 @@ def run(
 
 
 def _tiny_model() -> str:
-    from tests.agent_model import build_tiny_qwen3
-    from tests.fixtures_real import npm_tokenizer_dir
+    from tests.support.agent_model import build_tiny_qwen3
+    from tests.support.fixtures_real import npm_tokenizer_dir
 
     folder = Path(tempfile.mkdtemp(prefix="tiny-qwen3-"))
     return str(build_tiny_qwen3(npm_tokenizer_dir("qwen3"), folder))

@@ -88,8 +88,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 
 def _model(name: str, scratch: Path) -> LoadedModel:
     if name == "tiny":
-        from tests.agent_model import build_tiny_qwen3
-        from tests.fixtures_real import npm_tokenizer_dir
+        from tests.support.agent_model import build_tiny_qwen3
+        from tests.support.fixtures_real import npm_tokenizer_dir
 
         return load(build_tiny_qwen3(npm_tokenizer_dir("qwen3"), scratch / "tiny"))
     from gateway.cli.store.store import Store
@@ -101,7 +101,7 @@ def _tool_constraint(loaded: LoadedModel) -> tuple[Constraint, str, list[dict[st
     """The forced hermes call over the opencode capture's tools, its opener, the tools."""
     from gateway.core.structured import marker_tag
     from parsers.grammars import call_grammar
-    from tests.schema_cases import client_tool_schemas
+    from tests.support.schema_cases import client_tool_schemas
 
     tools = [
         {"type": "function", "function": {"name": n.split(":")[1], "parameters": s}}

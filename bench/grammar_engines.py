@@ -35,7 +35,7 @@ backend.configure()
 
 import numpy as np  # noqa: E402
 
-from tests.schema_cases import SCHEMAS, bounded, client_tool_schemas  # noqa: E402
+from tests.support.schema_cases import SCHEMAS, bounded, client_tool_schemas  # noqa: E402
 
 TOOLS = (
     "claude_code_first_request:Bash",
@@ -57,7 +57,7 @@ FREE_TEXT = (
 def _hf_tokenizer(vocab: str) -> tuple[Any, list[int], int]:
     """(tokenizers.Tokenizer, eos ids, model vocab size) for one vocabulary."""
     from runtime.text.tokenizer import Tokenizer
-    from tests.fixtures_real import npm_tokenizer_dir
+    from tests.support.fixtures_real import npm_tokenizer_dir
 
     if vocab == "qwen2.5-gguf":
         from gateway.cli.store.store import Store

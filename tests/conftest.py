@@ -6,5 +6,5 @@ from runtime import backend
 
 backend.configure()
 
-from tests.agent_model import tiny_qwen3_dir  # noqa: E402, F401  (agent-scale tiny model)
-from tests.fixtures_real import *  # noqa: E402, F403  (model and tokenizer fixtures)
+from tests.support.agent_model import tiny_qwen3_dir  # noqa: E402, F401  (agent-scale tiny model)
+from tests.support.fixtures_real import *  # noqa: E402, F403  (model and tokenizer fixtures)

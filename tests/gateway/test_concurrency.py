@@ -1,0 +1,210 @@
+"""Concurrency and disconnects against a live SmolLM2 server: concurrent greedy requests
+give their solo outputs in arrival order, and clients that leave at any moment (queued,
+mid-prefill, mid-decode) free the engine within a prefill chunk or a decode step."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.core.models.build import EngineSettings, build_served
+from tests.support.live_server import live_server
+from tests.support.openai_checks import chat_body, chat_chunks, chat_texts, post, stream
+
+pytestmark = pytest.mark.real_model
+
+MODEL = "smollm2-135m"
+CHAT = "/v1/chat/completions"
+PREFILL_CHUNK = 64
+TOPICS = ["colors", "fruits", "planets", "rivers", "birds", "metals", "games", "trees"]
+
+
+@pytest.fixture(scope="module")
+def base_url(smollm2_gguf: Path) -> Iterator[str]:
+    # small prefill chunks: a cancelled prefill must stop within one of them
+    settings = EngineSettings(prefill_chunk=PREFILL_CHUNK)
+    with live_server(lambda: build_served(smollm2_gguf, model_id=MODEL, settings=settings)) as url:
+        yield url
+
+
+def _req(topic: str, max_tokens: int = 8) -> dict[str, Any]:
+    messages = [{"role": "user", "content": f"Name three {topic}."}]
+    return {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+
+
+async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[str, float]:
+    r = await client.post(f"{url}{CHAT}", json=body)
+    text = chat_body(r).choices[0].message.content or ""
+    return text, time.monotonic()
+
+
+async def _chat_streamed(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> tuple[str, float]:
+    text = ""
+    async with client.stream("POST", f"{url}{CHAT}", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                for choice in httpx.Response(200, content=line[5:]).json()["choices"]:
+                    text += choice["delta"].get("content") or ""
+    return text, time.monotonic()
+
+
+def _health(url: str) -> dict[str, Any]:
+    data: dict[str, Any] = httpx.get(f"{url}/health").json()
+    return data
+
+
+def _wait_idle(url: str, within: float) -> float:
+    """Seconds until the engine is idle with an empty queue; fails after `within`."""
+    start = time.monotonic()
+    while time.monotonic() - start < within:
+        health = _health(url)
+        if not health["busy"] and health["queue_depth"] == 0:
+            return time.monotonic() - start
+        time.sleep(0.02)
+    raise AssertionError(f"the engine is still busy after {within} s: {_health(url)}")
+
+
+def _engine_counts(url: str) -> dict[str, float]:
+    names = {
+        "mlx_gateway_generations_total": "total",
+        "mlx_gateway_generations_cancelled_total": "cancelled",
+        "mlx_gateway_generations_failed_total": "failed",
+    }
+    counts: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            counts[names[name]] = float(value)
+    return counts
+
+
+def _wait_busy(url: str) -> None:
+    for _ in range(1000):
+        if _health(url)["busy"]:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the engine never started the request")
+
+
+def test_concurrent_greedy_requests_equal_solo_in_arrival_order(base_url: str) -> None:
+    solo = [chat_body(post(base_url, CHAT, _req(t))).choices[0].message.content for t in TOPICS]
+
+    async def together() -> list[tuple[str, float]]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            tasks = []
+            for i, topic in enumerate(TOPICS):
+                call = _chat_streamed if i % 2 else _chat
+                tasks.append(asyncio.ensure_future(call(client, base_url, _req(topic))))
+                await asyncio.sleep(0.3)  # a clear arrival order
+            return list(await asyncio.gather(*tasks))
+
+    results = asyncio.run(together())
+    assert [text for text, _ in results] == solo
+    finished = [at for _, at in results]
+    assert finished == sorted(finished), "served in arrival order"
+
+
+async def _leave_at_random(url: str, i: int, rng: random.Random) -> str:
+    """One client that goes away after a random time (queued, prefilling or decoding)."""
+    body = _req(TOPICS[i % len(TOPICS)] + " and their uses" * (i % 3), max_tokens=24)
+    if i % 5 == 0:
+        body["messages"][0]["content"] += (
+            " " + "Think about it carefully. " * 60
+        )  # a longer prefill
+    leave_after = rng.uniform(0.0, 3.0)
+    async with httpx.AsyncClient(timeout=60) as client:
+        call = _chat_streamed(client, url, body) if i % 2 else _chat(client, url, body)
+        try:
+            await asyncio.wait_for(call, leave_after)
+        except asyncio.TimeoutError:
+            return "left"
+    return "finished"
+
+
+def test_fifty_clients_leaving_at_random_leave_the_engine_idle(base_url: str) -> None:
+    expected = chat_body(post(base_url, CHAT, _req("colors"))).choices[0].message.content
+    rng = random.Random(5)
+
+    async def crowd() -> list[str]:
+        tasks = [asyncio.ensure_future(_leave_at_random(base_url, i, rng)) for i in range(50)]
+        return list(await asyncio.gather(*tasks))
+
+    before = _engine_counts(base_url)
+    outcomes = asyncio.run(crowd())
+    assert outcomes.count("left") >= 40
+    assert _wait_idle(base_url, 30.0) < 30.0
+    after = _engine_counts(base_url)
+    taken, cancelled, failed = (after[k] - before[k] for k in ("total", "cancelled", "failed"))
+    assert failed == 0 and cancelled >= 1 and taken <= 50
+    # a client that left took its generation with it: the engine ran to the end only the
+    # generations of clients still there (a few may end just as their client leaves;
+    # a client that leaves while its request is rendered never reaches the engine)
+    completed = taken - cancelled
+    assert completed - outcomes.count("finished") <= 5, (taken, cancelled, outcomes)
+    # still serving, and still right
+    assert chat_body(post(base_url, CHAT, _req("colors"))).choices[0].message.content == expected
+    assert chat_texts(chat_chunks(stream(base_url, CHAT, _req("colors"))))[0] == expected
+
+
+def _long_prompt(tag: str) -> dict[str, Any]:
+    text = f"{tag}: " + " ".join(f"item {i} is {TOPICS[i % 8]}." for i in range(150))
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 200,
+        "temperature": 0,
+    }
+
+
+def test_leaving_mid_prefill_frees_the_engine_within_a_chunk(base_url: str) -> None:
+    body = _long_prompt("prefill")
+    with httpx.stream("POST", f"{base_url}{CHAT}", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        _wait_busy(base_url)
+        time.sleep(0.5)  # well inside a prefill of about a thousand tokens
+        assert _health(base_url)["busy"]
+    # the engine checks the cancel flag between chunks of PREFILL_CHUNK tokens
+    assert _wait_idle(base_url, 5.0) < 3.0
+
+
+def test_leaving_mid_decode_frees_the_engine_within_a_step(base_url: str) -> None:
+    # the end-of-turn tokens banned, so the decode runs for all of max_tokens
+    ends = httpx.post(f"{base_url}/tokenize", json={"prompt": "<|im_end|><|endoftext|>"}).json()
+    body = {**_req("colors", max_tokens=1000), "logit_bias": {str(t): -100 for t in ends["tokens"]}}
+    with httpx.stream("POST", f"{base_url}{CHAT}", json={**body, "stream": True}, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data:") and '"content":""' not in line.replace(" ", ""):
+                seen += 1
+                if seen == 3:
+                    assert _health(base_url)["busy"]
+                    break  # leaving the loop early closes the connection
+        assert seen == 3
+    assert _wait_idle(base_url, 5.0) < 2.0
+
+
+def test_non_streaming_client_leaving_frees_the_engine(base_url: str) -> None:
+    body = _long_prompt("blocking")
+
+    async def leave() -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            task = asyncio.ensure_future(client.post(f"{base_url}{CHAT}", json=body))
+            while not _health(base_url)["busy"]:
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(leave())
+    assert _wait_idle(base_url, 5.0) < 3.0
