@@ -27,7 +27,7 @@ from typing import Any
 from gateway.core.errors import APIError
 from gateway.core.plan import ChatPlan
 from gateway.core.reply import Reply
-from gateway.openai.responses.adapt import ToolNames, ToolRef
+from gateway.openai.responses.tools import ToolNames, ToolRef
 from gateway.openai.responses.wire import ResponsesRequest
 from parsers.events import Content, Event, Reasoning, ToolCallArgs, ToolCallEnd, ToolCallStart
 from runtime.types import FinishReason

@@ -1,6 +1,6 @@
 """POST /v1/responses (streaming and not), GET and DELETE /v1/responses/{id}.
 
-A request becomes a neutral plan (responses_adapt), runs as one generation, and its
+A request becomes a neutral plan (adapt), runs as one generation, and its
 parser events become output items (responses_emit). With `store` (OpenAI's default)
 the finished response is kept in the app's bounded store (responses_store), so a
 later request can continue it with `previous_response_id`.

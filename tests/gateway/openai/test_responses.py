@@ -362,7 +362,7 @@ def test_namespace_tools_are_flattened_and_mapped_back(base_url: str) -> None:
 
 
 def test_hosted_tools_are_left_out(base_url: str, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="gateway.openai.responses.adapt")
+    caplog.set_level("INFO", logger="gateway.openai.responses")
     alone = _body(
         _post(base_url, {"model": TINY, "input": "Hi", "tools": HOSTED, "max_output_tokens": 2})
     )

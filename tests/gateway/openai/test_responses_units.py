@@ -12,13 +12,9 @@ from openai.types.responses import Response
 
 from gateway.core.errors import InternalError, NotFound
 from gateway.core.reply import Reply
-from gateway.openai.responses.adapt import (
-    ToolRef,
-    input_items,
-    response_plan,
-    to_messages,
-    tool_plan,
-)
+from gateway.openai.responses.adapt import response_plan
+from gateway.openai.responses.items import input_items, to_messages
+from gateway.openai.responses.tools import ToolRef, tool_plan
 from gateway.openai.responses.emit import ResponseBuilder, custom_input, envelope
 from gateway.openai.responses.store import ReasoningSeal, ResponseStore
 from gateway.openai.responses.wire import ResponsesRequest
