@@ -28,7 +28,7 @@ import jsonschema
 
 from runtime.engine.engine import Engine, RequestHandle
 from runtime.engine.runner import ModelRunner, RunnerSettings
-from runtime.load.loader import LoadedModel
+from runtime.load.loaded import LoadedModel
 from runtime.types import (
     Constraint,
     Finished,

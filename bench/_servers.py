@@ -44,7 +44,7 @@ def _gateway_spec(name: str, alias: str, port: int) -> ServerSpec:
     if name == "gateway-nocache":
         cmd += ["--prefix-cache-bytes", "0"]
         note = "f32 + BLAS, --prefix-cache-bytes 0"
-    from gateway.cli.launch.server import requested_id  # a path is served by its name
+    from gateway.cli.common import requested_id  # a path is served by its name
 
     return ServerSpec(name, note, tuple(cmd), requested_id(alias), "/health")
 

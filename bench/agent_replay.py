@@ -172,10 +172,11 @@ class Accountant:
         else:
             from runtime.load.gguf.config import hf_config
             from runtime.load.gguf.reader import GGUFFile
+            from runtime.load.gguf.tokenizer import tokenizer_from_gguf
 
             gf = GGUFFile(model)
             config = hf_config(gf)
-            self.tok = Tokenizer.from_gguf(gf)
+            self.tok = tokenizer_from_gguf(gf)
             template = gf.get("tokenizer.chat_template")
             self.chat_template = str(template) if template else None
         self.renderer = renderer_for(

@@ -62,9 +62,10 @@ def _hf_tokenizer(vocab: str) -> tuple[Any, list[int], int]:
     if vocab == "qwen2.5-gguf":
         from gateway.cli.store.store import Store
         from runtime.load.gguf.reader import GGUFFile
+        from runtime.load.gguf.tokenizer import tokenizer_from_gguf
 
         gguf = GGUFFile(Store().resolve("qwen2.5-coder-0.5b"))
-        tok = Tokenizer.from_gguf(gguf)
+        tok = tokenizer_from_gguf(gguf)
         return tok.hf, sorted(tok.eos_token_ids), 151936
     tok = Tokenizer.from_folder(npm_tokenizer_dir(vocab))
     # the models' embedding rows; a tokenizer may hold a few more ids than the model

@@ -159,7 +159,7 @@ def _prefill_flops(loaded: Any, tokens: int) -> float:
 def _engine_settings() -> Any:
     """The server's settings, cache off unless this process's environment says otherwise
     (the variables `mlx-gateway serve` reads, e.g. through --gateway-only-env)."""
-    from gateway.cli.main import parse_bytes
+    from gateway.cli.common import parse_bytes
     from gateway.core.models.build import EngineSettings
 
     env = os.environ

@@ -11,7 +11,8 @@ from parsers.events import Content, Event, Reasoning, ToolCallArgs
 
 
 class Format(Protocol):
-    """A tool-call format: a parser of non-reasoning text."""
+    """A tool-call format: a parser of non-reasoning text (each one is built on
+    parsers/_call_format.py `CallFormat`)."""
 
     @property
     def openers(self) -> tuple[str, ...]:

@@ -39,7 +39,7 @@ _CALL_LANGS = ("json", "tool_call", "tool_code", "")  # fences a call may be wri
 _LANG_MAX = max(len(lang) for lang in _CALL_LANGS) + 8  # room for padding spaces
 
 
-class _F(Enum):
+class _FencedState(Enum):
     IDLE = auto()  # content
     INFO = auto()  # after a fence's backticks: its language
     BODY = auto()  # after the fence's first line: padding, then "{" or "["?
@@ -59,7 +59,7 @@ class JsonCalls:
         self._calls = calls
         self._out = out
         self._host = frozenset(host_openers)
-        self._state = _F.IDLE
+        self._state = _FencedState.IDLE
         self._raw: list[str] = []  # held text, content again if no call comes of it
         self._info = ""
         self._fenced = False  # the current JSON sits in a fence
@@ -75,25 +75,25 @@ class JsonCalls:
 
     def markers(self) -> Markers:
         state = self._state
-        if state is _F.IDLE:
+        if state is _FencedState.IDLE:
             return self._m_idle
-        if state is _F.CODE:
+        if state is _FencedState.CODE:
             return self._m_code
-        return self._m_fence if state is _F.FENCE_END else NO_MARKERS
+        return self._m_fence if state is _FencedState.FENCE_END else NO_MARKERS
 
     def rest(self, scanner: ObjectScanner) -> None:
         """The host rejected a call while its scan is still inside the object: the
         rest of the object is content."""
         self._scanner, self._fenced, self._in_list = scanner, False, False
-        self._state = _F.REST
+        self._state = _FencedState.REST
 
     def on_marker(self, marker: str) -> bool:
         """False: the marker is the host's (one of its openers); this state is left."""
         state = self._state
         if marker in self._host:
-            self._state = _F.IDLE
+            self._state = _FencedState.IDLE
             return False
-        if state is _F.IDLE:
+        if state is _FencedState.IDLE:
             self._raw = [self._out.take_ws()]
             self._fenced = self._hide_close = self._in_list = False
             if marker == "{":
@@ -102,27 +102,27 @@ class JsonCalls:
                 return True
             self._raw.append(marker)
             if marker == FENCE:
-                self._fenced, self._info, self._state = True, "", _F.INFO
+                self._fenced, self._info, self._state = True, "", _FencedState.INFO
             else:
-                self._in_list, self._state = True, _F.LIST
-        elif state is _F.CODE:
+                self._in_list, self._state = True, _FencedState.LIST
+        elif state is _FencedState.CODE:
             if not self._hide_close:
                 self._out.content(marker)
-            self._state = _F.IDLE
-        elif state is _F.FENCE_END:
-            self._state = _F.IDLE  # the closing fence of a call: markup
+            self._state = _FencedState.IDLE
+        elif state is _FencedState.FENCE_END:
+            self._state = _FencedState.IDLE  # the closing fence of a call: markup
         return True
 
     def on_text(self, text: str) -> int:
         state = self._state
-        if state in (_F.IDLE, _F.CODE):
+        if state in (_FencedState.IDLE, _FencedState.CODE):
             self._out.content(text)
             return len(text)
-        if state is _F.INFO:
+        if state is _FencedState.INFO:
             return self._fence_info(text)
-        if state is _F.OBJECT:
+        if state is _FencedState.OBJECT:
             return self._object(text)
-        if state is _F.REST:
+        if state is _FencedState.REST:
             used = self._scanner.feed(text)
             self._out.content(text[:used])
             if self._scanner.done or self._scanner.failed:
@@ -133,13 +133,13 @@ class JsonCalls:
     def finish(self) -> None:
         """The end of the output: a call in progress ends if it is valid (one that has
         started is closed where it stands); held text is content."""
-        if self._state is _F.OBJECT:
+        if self._state is _FencedState.OBJECT:
             end_call(self._calls, self._scanner)
-        elif self._state is _F.REST:
+        elif self._state is _FencedState.REST:
             self._scanner.finish()
         else:
             self._release()
-        self._raw, self._state = [], _F.IDLE
+        self._raw, self._state = [], _FencedState.IDLE
 
     def _release(self) -> None:
         self._out.content("".join(self._raw))
@@ -160,14 +160,14 @@ class JsonCalls:
         if self._info.strip().lower() not in _CALL_LANGS:
             return self._code_fence(line)
         self._raw.append(text[: end + 1])
-        self._state = _F.BODY
+        self._state = _FencedState.BODY
         return end + 1
 
     def _code_fence(self, text: str) -> int:
         """The fence holds code, not a call: it is content up to its close."""
         self._raw.append(text)
         self._release()
-        self._state = _F.CODE
+        self._state = _FencedState.CODE
         return len(text)
 
     def _between(self, text: str) -> int:
@@ -175,24 +175,33 @@ class JsonCalls:
         body = text.lstrip()
         lead = len(text) - len(body)
         state = self._state
-        if state is not _F.FENCE_END:
+        if state is not _FencedState.FENCE_END:
             self._raw.append(text[:lead])  # padding around markup that is dropped after a call
         if not body:
             return lead
         ch = body[0]
-        if state in (_F.BODY, _F.LIST, _F.LIST_ITEM, _F.FENCE_END) and ch == "{":
+        if (
+            state
+            in (
+                _FencedState.BODY,
+                _FencedState.LIST,
+                _FencedState.LIST_ITEM,
+                _FencedState.FENCE_END,
+            )
+            and ch == "{"
+        ):
             self._begin_object()
             return lead
-        if state is _F.BODY and ch == "[":
+        if state is _FencedState.BODY and ch == "[":
             self._raw.append(ch)
-            self._in_list, self._state = True, _F.LIST
+            self._in_list, self._state = True, _FencedState.LIST
             return lead + 1
-        if state is _F.LIST_NEXT and ch in ",]":
+        if state is _FencedState.LIST_NEXT and ch in ",]":
             if ch == ",":
-                self._raw, self._state = [ch], _F.LIST_ITEM
+                self._raw, self._state = [ch], _FencedState.LIST_ITEM
             else:
                 self._raw, self._in_list = [], False
-                self._state = _F.FENCE_END if self._fenced else _F.IDLE
+                self._state = _FencedState.FENCE_END if self._fenced else _FencedState.IDLE
             return lead + 1
         # Anything else: this is not (or no longer) call syntax; the held text is content
         # and the character is read again as content.
@@ -204,24 +213,24 @@ class JsonCalls:
         self._calls.begin("".join(self._raw), gated=True)
         self._raw = []
         self._scanner = self._new_scanner()
-        self._state = _F.OBJECT
+        self._state = _FencedState.OBJECT
 
     def _object(self, text: str) -> int:
         used, outcome = feed_call(self._calls, self._scanner, text)
         if outcome is Outcome.ENDED:
             self._hide_close = self._fenced
             if self._in_list:
-                self._state = _F.LIST_NEXT
+                self._state = _FencedState.LIST_NEXT
             else:
-                self._state = _F.FENCE_END if self._fenced else _F.IDLE
+                self._state = _FencedState.FENCE_END if self._fenced else _FencedState.IDLE
         elif outcome is Outcome.REJECTED:
             if self._scanner.done or self._scanner.failed:
                 self._not_a_call()
             else:
-                self._state = _F.REST
+                self._state = _FencedState.REST
         return used
 
     def _not_a_call(self) -> None:
         """The JSON (or list, or fence body) is not a call: a fence is code to its close."""
         self._in_list = False
-        self._state = _F.CODE if self._fenced else _F.IDLE
+        self._state = _FencedState.CODE if self._fenced else _FencedState.IDLE

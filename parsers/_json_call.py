@@ -15,7 +15,6 @@ from typing import Any
 from parsers._calls import ToolCalls
 from parsers._json_stream import ObjectScanner
 from parsers._schema import (
-    Schema,
     allows_string,
     coerce_text,
     coerce_value,
@@ -23,6 +22,7 @@ from parsers._schema import (
     dumps,
     loads,
 )
+from parsers.schema_types import Schema
 
 NAME_KEYS = ("name",)
 ARG_KEYS = ("arguments", "parameters")

@@ -110,7 +110,7 @@ class MemberSink(Protocol):
         ...
 
 
-class _S(Enum):
+class _ObjectState(Enum):
     BEFORE = auto()
     KEY_OR_END = auto()
     KEY = auto()
@@ -129,7 +129,7 @@ class ObjectScanner:
     def __init__(self, sink: MemberSink, skip_prefix: bool = False) -> None:
         self._sink = sink
         self._skip_prefix = skip_prefix  # tolerate text (a ```json fence) before "{"
-        self._state = _S.BEFORE
+        self._state = _ObjectState.BEFORE
         self._decoder = StringDecoder()
         self._key: list[str] = []
         self._decode_value = False
@@ -140,82 +140,82 @@ class ObjectScanner:
 
     @property
     def done(self) -> bool:
-        return self._state is _S.DONE
+        return self._state is _ObjectState.DONE
 
     @property
     def failed(self) -> bool:
-        return self._state is _S.FAILED
+        return self._state is _ObjectState.FAILED
 
     @property
     def in_value(self) -> bool:
-        return self._state in (_S.STRING, _S.RAW)
+        return self._state in (_ObjectState.STRING, _ObjectState.RAW)
 
     def feed(self, text: str) -> int:
         """Consumes text up to the end of the object (or the first character that
         cannot belong to it); returns how much it used."""
         pos, n = 0, len(text)
-        while pos < n and self._state not in (_S.DONE, _S.FAILED):
+        while pos < n and self._state not in (_ObjectState.DONE, _ObjectState.FAILED):
             state = self._state
-            if state is _S.STRING:
+            if state is _ObjectState.STRING:
                 pos = self._string_value(text, pos)
-            elif state is _S.RAW:
+            elif state is _ObjectState.RAW:
                 pos = self._raw_value(text, pos)
-            elif state is _S.KEY:
+            elif state is _ObjectState.KEY:
                 pos = self._key_text(text, pos)
             else:
                 self._structural(text[pos])
                 if not self.failed:
                     pos += 1
         # On failure the offending character is left for whoever reads on.
-        return pos if self._state in (_S.DONE, _S.FAILED) else n
+        return pos if self._state in (_ObjectState.DONE, _ObjectState.FAILED) else n
 
     def finish(self) -> None:
         """The text was cut off: a string value in progress is closed where it stands."""
-        if self._state is _S.STRING:
+        if self._state is _ObjectState.STRING:
             tail = self._decoder.finish()
             if tail:
                 self._sink.chunk(tail)
-        if self._state in (_S.STRING, _S.RAW):
+        if self._state in (_ObjectState.STRING, _ObjectState.RAW):
             self._sink.cut()
-        self._state = _S.FAILED
+        self._state = _ObjectState.FAILED
 
     def _structural(self, ch: str) -> None:
         state = self._state
         if ch in _WS:
             return
-        if state is _S.BEFORE:
+        if state is _ObjectState.BEFORE:
             if ch == "{":
-                self._state = _S.KEY_OR_END
+                self._state = _ObjectState.KEY_OR_END
             elif not self._skip_prefix:
-                self._state = _S.FAILED
-        elif state is _S.KEY_OR_END and ch == '"':
-            self._state, self._key, self._decoder = _S.KEY, [], StringDecoder()
-        elif state is _S.KEY_OR_END and ch == "}":
-            self._state = _S.DONE
-        elif state is _S.COLON and ch == ":":
-            self._state = _S.VALUE_START
-        elif state is _S.VALUE_START and ch not in ",:}]":
+                self._state = _ObjectState.FAILED
+        elif state is _ObjectState.KEY_OR_END and ch == '"':
+            self._state, self._key, self._decoder = _ObjectState.KEY, [], StringDecoder()
+        elif state is _ObjectState.KEY_OR_END and ch == "}":
+            self._state = _ObjectState.DONE
+        elif state is _ObjectState.COLON and ch == ":":
+            self._state = _ObjectState.VALUE_START
+        elif state is _ObjectState.VALUE_START and ch not in ",:}]":
             self._start_value(ch)
-        elif state is _S.AFTER_VALUE and ch in ",}":
-            self._state = _S.KEY_OR_END if ch == "," else _S.DONE
+        elif state is _ObjectState.AFTER_VALUE and ch in ",}":
+            self._state = _ObjectState.KEY_OR_END if ch == "," else _ObjectState.DONE
         else:
-            self._state = _S.FAILED
+            self._state = _ObjectState.FAILED
 
     def _key_text(self, text: str, pos: int) -> int:
         part, end = self._decoder.feed(text, pos)
         self._key.append(part)
         if end < 0:
             return len(text)
-        self._state = _S.COLON
+        self._state = _ObjectState.COLON
         return end
 
     def _start_value(self, ch: str) -> None:
         key = "".join(self._key)
         self._decode_value = self._sink.key(key, ch) and ch == '"'
         if self._decode_value:
-            self._state, self._decoder = _S.STRING, StringDecoder()
+            self._state, self._decoder = _ObjectState.STRING, StringDecoder()
             return
-        self._state = _S.RAW
+        self._state = _ObjectState.RAW
         self._depth = 1 if ch in "{[" else -1
         self._in_str = self._raw_str_top = ch == '"'
         self._esc = False
@@ -228,7 +228,7 @@ class ObjectScanner:
         if end < 0:
             return len(text)
         self._sink.end()
-        self._state = _S.AFTER_VALUE
+        self._state = _ObjectState.AFTER_VALUE
         return end
 
     def _raw_value(self, text: str, pos: int) -> int:
@@ -263,5 +263,5 @@ class ObjectScanner:
         if end > start:
             self._sink.chunk(text[start:end])
         self._sink.end()
-        self._state = _S.AFTER_VALUE
+        self._state = _ObjectState.AFTER_VALUE
         return end

@@ -65,13 +65,6 @@ class Machine(ABC):
     @abstractmethod
     def _on_marker(self, marker: str) -> None: ...
 
-    def _finish_text(self, openers: tuple[str, ...], truncated: bool) -> None:
-        """Runs out the held text at the end of the output. When the output was cut
-        short, a held start of one of `openers` (tool-call markup) is dropped."""
-        if truncated and self._held and any(o.startswith(self._held) for o in openers):
-            self._held = ""
-        self._run("", final=True)
-
     def _run(self, text: str, final: bool = False) -> None:
         buf = self._held + text
         pos = 0

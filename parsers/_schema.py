@@ -11,11 +11,11 @@ import ast
 import json
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-Schema = Mapping[str, Any]
+from parsers.schema_types import Schema, alternatives
 
 _INT = re.compile(r"[+-]?\d+")
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
@@ -73,35 +73,13 @@ class ToolSet:
         return ToolSet(specs)
 
 
-def _alternatives(schema: Schema | None) -> Iterator[tuple[str | None, Schema]]:
-    """(type name, subschema) for each alternative; None type means unconstrained."""
-    if not isinstance(schema, Mapping):
-        yield None, {}
-        return
-    subs = schema.get("anyOf") or schema.get("oneOf")
-    if isinstance(subs, Sequence) and not isinstance(subs, str):
-        for sub in subs:
-            yield from _alternatives(sub)
-        return
-    kind = schema.get("type")
-    if isinstance(kind, str):
-        yield kind, schema
-    elif isinstance(kind, Sequence) and kind:
-        for k in kind:
-            yield (k if isinstance(k, str) else None), schema
-    elif "properties" in schema:
-        yield "object", schema
-    else:
-        yield None, schema
-
-
 def allows_string(schema: Schema | None) -> bool:
-    return any(kind in (None, "string") for kind, _ in _alternatives(schema))
+    return any(kind in (None, "string") for kind, _ in alternatives(schema))
 
 
 def is_string_only(schema: Schema | None) -> bool:
     """True when text needs no parsing: the schema says string and nothing else."""
-    kinds = {kind for kind, _ in _alternatives(schema)}
+    kinds = {kind for kind, _ in alternatives(schema)}
     return kinds == {"string"}
 
 
@@ -166,7 +144,7 @@ def _parse_as(kind: str, text: str) -> tuple[bool, Any]:
 
 def coerce_text(text: str, schema: Schema | None) -> Any:
     """A value written as text, converted to the first schema type it parses as."""
-    alts = list(_alternatives(schema))
+    alts = list(alternatives(schema))
     for kind, sub in sorted(alts, key=lambda a: a[0] in (None, "string")):
         if kind in (None, "string"):
             return text
@@ -191,7 +169,7 @@ def _fits(kind: str | None, value: Any) -> bool:
 
 def coerce_value(value: Any, schema: Schema | None) -> Any:
     """A JSON value made to fit the schema where it can be; nested values too."""
-    alts = list(_alternatives(schema))
+    alts = list(alternatives(schema))
     for kind, sub in alts:
         if _fits(kind, value):
             return _coerce_inside(value, sub)
@@ -210,7 +188,7 @@ def conforms(value: Any, schema: Schema | None, depth: int = 0) -> bool:
     to check."""
     if depth > 64:
         return True
-    for kind, sub in _alternatives(schema):
+    for kind, sub in alternatives(schema):
         if not _fits(kind, value):
             continue
         if isinstance(value, dict):

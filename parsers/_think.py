@@ -18,7 +18,7 @@ from parsers._scan import NO_MARKERS, Machine, Markers
 ThinkMode = bool | Literal["open"]
 
 
-class _T(Enum):
+class _ThinkState(Enum):
     DETECT = auto()  # has the output opened with the think tag?
     REASONING = auto()
     CONTENT_START = auto()  # just after the close tag: skip padding
@@ -39,9 +39,9 @@ class ThinkSplitter(Machine):
         self._segments: list[tuple[bool, str]] = []
         self._open, self._close = open_tag, close_tag
         if mode == "open":
-            self._state = _T.REASONING
+            self._state = _ThinkState.REASONING
         else:
-            self._state = _T.DETECT if mode else _T.CONTENT
+            self._state = _ThinkState.DETECT if mode else _ThinkState.CONTENT
         self._fresh = True  # no reasoning text yet: padding and a repeated open tag go
         self._lead = ""  # whitespace before the open tag
         self._ws = ""  # trailing whitespace of reasoning, held back
@@ -66,26 +66,26 @@ class ThinkSplitter(Machine):
         return out
 
     def _markers(self) -> Markers:
-        if self._state is _T.DETECT:
+        if self._state is _ThinkState.DETECT:
             return self._m_detect
-        if self._state is _T.REASONING:
+        if self._state is _ThinkState.REASONING:
             return self._m_fresh if self._fresh else self._m_reasoning
         return NO_MARKERS
 
     def _on_text(self, text: str) -> int:
         state, used = self._state, len(text)
-        if state is _T.DETECT:
+        if state is _ThinkState.DETECT:
             if text.isspace():
                 self._lead += text
                 return used
-            self._state = _T.CONTENT  # no think tag first: all of it is content
+            self._state = _ThinkState.CONTENT  # no think tag first: all of it is content
             return 0
-        if state is _T.REASONING:
+        if state is _ThinkState.REASONING:
             self._reasoning(text)
-        elif state is _T.CONTENT_START:
+        elif state is _ThinkState.CONTENT_START:
             text = text.lstrip()
             if text:
-                self._state = _T.CONTENT
+                self._state = _ThinkState.CONTENT
                 self._segments.append((False, text))
         else:
             if self._lead:
@@ -107,10 +107,10 @@ class ThinkSplitter(Machine):
             self._ws += text
 
     def _on_marker(self, marker: str) -> None:
-        if self._state is _T.DETECT:
-            self._state, self._lead = _T.REASONING, ""
+        if self._state is _ThinkState.DETECT:
+            self._state, self._lead = _ThinkState.REASONING, ""
         elif marker == self._close:
-            self._state, self._ws = _T.CONTENT_START, ""
+            self._state, self._ws = _ThinkState.CONTENT_START, ""
         elif marker != self._open:  # a tool-call opener ends reasoning
-            self._state, self._ws = _T.CONTENT, ""
+            self._state, self._ws = _ThinkState.CONTENT, ""
             self._segments.append((False, marker))

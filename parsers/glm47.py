@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from parsers._calls import Out, ToolCalls
-from parsers._scan import Machine, Markers
+from parsers._call_format import CallFormat
+from parsers._scan import Markers
 from parsers._schema import ToolSet, coerce_text, coerce_value, dumps, loads
-from parsers.events import Event
 
 TC_OPEN, TC_CLOSE = "<tool_call>", "</tool_call>"
 CYCLE = ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
@@ -27,20 +26,18 @@ KEY_OPEN, KEY_CLOSE, VAL_OPEN, VAL_CLOSE = range(4)  # phase: the tag expected n
 _NAME_MAX = 1024
 
 
-class _G(Enum):
+class _GlmState(Enum):
     CONTENT = auto()
     NAME = auto()
     ARGS = auto()
 
 
-class Glm47Format(Machine):
+class Glm47Format(CallFormat):
     openers = (TC_OPEN,)
 
     def __init__(self, tools: ToolSet) -> None:
-        super().__init__()
-        self._out = Out()
-        self._calls = ToolCalls(tools, self._out)
-        self._state = _G.CONTENT
+        super().__init__(tools)
+        self._state = _GlmState.CONTENT
         self._text: list[str] = []  # text since the last tag
         self._text_len = 0
         self._phase = KEY_OPEN
@@ -50,40 +47,32 @@ class Glm47Format(Machine):
         self._m_content = Markers(TC_OPEN)
         self._m_call = Markers(TC_OPEN, TC_CLOSE, *CYCLE)
 
-    def feed(self, text: str) -> list[Event]:
-        self._run(text)
-        return self._out.take()
-
-    def finish(self, *, truncated: bool = False) -> list[Event]:
-        self._calls.truncated = truncated
-        self._finish_text(self.openers, truncated)
-        if self._state is not _G.CONTENT:
+    def _end_output(self, truncated: bool) -> None:
+        if self._state is not _GlmState.CONTENT:
             self._end_call()
-        self._out.flush()
-        return self._out.take()
 
     def _markers(self) -> Markers:
-        return self._m_content if self._state is _G.CONTENT else self._m_call
+        return self._m_content if self._state is _GlmState.CONTENT else self._m_call
 
     def _on_text(self, text: str) -> int:
-        if self._state is _G.CONTENT:
+        if self._state is _GlmState.CONTENT:
             self._out.content(text)
             return len(text)
         self._calls.raw(text)
         self._text.append(text)
         self._text_len += len(text)
-        if self._state is _G.NAME and self._text_len > _NAME_MAX:
+        if self._state is _GlmState.NAME and self._text_len > _NAME_MAX:
             self._calls.reject()  # no tag in sight: this was not a tool call
-            self._state = _G.CONTENT
+            self._state = _GlmState.CONTENT
             self._take_text()
         return len(text)
 
     def _on_marker(self, marker: str) -> None:
-        if self._state is _G.CONTENT or marker == TC_OPEN:
-            if self._state is not _G.CONTENT:
+        if self._state is _GlmState.CONTENT or marker == TC_OPEN:
+            if self._state is not _GlmState.CONTENT:
                 self._end_call()
             self._calls.begin(self._out.take_ws() + marker)
-            self._state, self._phase, self._body = _G.NAME, KEY_OPEN, ""
+            self._state, self._phase, self._body = _GlmState.NAME, KEY_OPEN, ""
             self._take_text()
             return
         self._calls.raw(marker)
@@ -91,7 +80,7 @@ class Glm47Format(Machine):
             self._end_call()
             return
         tag = CYCLE.index(marker)
-        if self._state is _G.NAME and not self._named(tag):
+        if self._state is _GlmState.NAME and not self._named(tag):
             return
         self._tag(tag)
 
@@ -109,10 +98,10 @@ class Glm47Format(Machine):
             if cut >= 0:
                 name, self._body = head[:cut], head[cut:].lstrip()
                 self._phase, self._synth_open = KEY_CLOSE, True
-        self._state = _G.ARGS
+        self._state = _GlmState.ARGS
         if not self._calls.set_name(name):
             self._calls.reject()
-            self._state = _G.CONTENT
+            self._state = _GlmState.CONTENT
             return False
         return True
 
@@ -167,12 +156,12 @@ class Glm47Format(Machine):
 
     def _end_call(self) -> None:
         """The call's text is over: close what is open, then emit or give back."""
-        if self._state is _G.NAME:
+        if self._state is _GlmState.NAME:
             self._end_unnamed()
-        elif self._state is _G.ARGS:
+        elif self._state is _GlmState.ARGS:
             self._close_open_parts()
         self._calls.end()
-        self._state, self._phase, self._body = _G.CONTENT, KEY_OPEN, ""
+        self._state, self._phase, self._body = _GlmState.CONTENT, KEY_OPEN, ""
         self._take_text()
 
     def _close_open_parts(self) -> None:

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from parsers._calls import Out, ToolCalls
-from parsers._scan import Machine, Markers
+from parsers._call_format import CallFormat
+from parsers._scan import Markers
 from parsers._schema import ToolSet, coerce_text, dumps, is_string_only
-from parsers.events import Event
 
 TC_OPEN, TC_CLOSE = "<tool_call>", "</tool_call>"
 FN_OPEN, FN_CLOSE = "<function=", "</function>"
@@ -31,7 +30,7 @@ P_OPEN, P_CLOSE = "<parameter=", "</parameter>"
 _NAME_MAX = 256
 
 
-class _Q(Enum):
+class _QwenState(Enum):
     CONTENT = auto()
     SECTION = auto()  # inside <tool_call>, between functions
     FUNC_NAME = auto()
@@ -40,14 +39,12 @@ class _Q(Enum):
     VALUE = auto()
 
 
-class Qwen3CoderFormat(Machine):
+class Qwen3CoderFormat(CallFormat):
     openers = (TC_OPEN, FN_OPEN)
 
     def __init__(self, tools: ToolSet) -> None:
-        super().__init__()
-        self._out = Out()
-        self._calls = ToolCalls(tools, self._out)
-        self._state = _Q.CONTENT
+        super().__init__(tools)
+        self._state = _QwenState.CONTENT
         self._section_raw = ""  # "<tool_call>" and padding, until a function starts
         self._name: list[str] = []
         self._name_len = 0
@@ -57,42 +54,34 @@ class Qwen3CoderFormat(Machine):
         self._ws = ""  # trailing whitespace of a streaming value, held back
         in_call = (P_OPEN, P_CLOSE, FN_CLOSE, TC_CLOSE, FN_OPEN, TC_OPEN)
         self._m = {
-            _Q.CONTENT: Markers(TC_OPEN, FN_OPEN),
-            _Q.SECTION: Markers(FN_OPEN, TC_CLOSE, TC_OPEN),
-            _Q.FUNC_NAME: Markers(">"),
-            _Q.PARAM_NAME: Markers(">"),
-            _Q.CALL: Markers(*in_call),
-            _Q.VALUE: Markers(*in_call),
+            _QwenState.CONTENT: Markers(TC_OPEN, FN_OPEN),
+            _QwenState.SECTION: Markers(FN_OPEN, TC_CLOSE, TC_OPEN),
+            _QwenState.FUNC_NAME: Markers(">"),
+            _QwenState.PARAM_NAME: Markers(">"),
+            _QwenState.CALL: Markers(*in_call),
+            _QwenState.VALUE: Markers(*in_call),
         }
 
-    def feed(self, text: str) -> list[Event]:
-        self._run(text)
-        return self._out.take()
-
-    def finish(self, *, truncated: bool = False) -> list[Event]:
-        self._calls.truncated = truncated
-        self._finish_text(self.openers, truncated)
-        if self._state is _Q.SECTION and self._section_raw and not truncated:
+    def _end_output(self, truncated: bool) -> None:
+        if self._state is _QwenState.SECTION and self._section_raw and not truncated:
             self._out.content(self._section_raw)
-        elif self._state is _Q.VALUE:
+        elif self._state is _QwenState.VALUE:
             self._end_value(exact=False)
-        if self._state in (_Q.FUNC_NAME, _Q.PARAM_NAME, _Q.CALL, _Q.VALUE):
-            self._calls.end()
-        self._out.flush()
-        return self._out.take()
+        if self._state not in (_QwenState.CONTENT, _QwenState.SECTION):
+            self._calls.end()  # a function was begun
 
     def _markers(self) -> Markers:
         return self._m[self._state]
 
     def _on_text(self, text: str) -> int:
         state = self._state
-        if state is _Q.CONTENT:
+        if state is _QwenState.CONTENT:
             self._out.content(text)
-        elif state is _Q.SECTION:
+        elif state is _QwenState.SECTION:
             return self._section_text(text)
-        elif state in (_Q.FUNC_NAME, _Q.PARAM_NAME):
+        elif state in (_QwenState.FUNC_NAME, _QwenState.PARAM_NAME):
             return self._name_text(text)
-        elif state is _Q.CALL:
+        elif state is _QwenState.CALL:
             self._calls.raw(text)  # padding between parameters
         else:
             self._calls.raw(text)
@@ -107,7 +96,7 @@ class Qwen3CoderFormat(Machine):
         # Prose inside the tags: this was no tool call after all.
         self._out.content(self._section_raw)
         self._section_raw = ""
-        self._state = _Q.CONTENT
+        self._state = _QwenState.CONTENT
         return 0
 
     def _name_text(self, text: str) -> int:
@@ -120,7 +109,7 @@ class Qwen3CoderFormat(Machine):
         used = max(bad, 0)  # not a tag after all: end the call here
         self._calls.raw(text[:used])
         self._end_call()
-        self._state = _Q.CONTENT
+        self._state = _QwenState.CONTENT
         return used
 
     def _value_text(self, text: str) -> None:
@@ -139,51 +128,51 @@ class Qwen3CoderFormat(Machine):
 
     def _on_marker(self, marker: str) -> None:
         state = self._state
-        if state in (_Q.FUNC_NAME, _Q.PARAM_NAME):  # the marker is ">"
+        if state in (_QwenState.FUNC_NAME, _QwenState.PARAM_NAME):  # the marker is ">"
             self._calls.raw(marker)
             name, self._name, self._name_len = "".join(self._name).strip(), [], 0
-            if state is _Q.FUNC_NAME:
+            if state is _QwenState.FUNC_NAME:
                 self._function_named(name)
             else:
                 self._start_value(name)
             return
-        if state is _Q.VALUE:
+        if state is _QwenState.VALUE:
             self._end_value(exact=marker == P_CLOSE)
         if marker in (P_OPEN, P_CLOSE, FN_CLOSE, TC_CLOSE) and self._calls.active:
             self._calls.raw(marker)
         self._structural(marker)
 
     def _structural(self, marker: str) -> None:
-        in_call = self._state in (_Q.CALL, _Q.VALUE)
+        in_call = self._state in (_QwenState.CALL, _QwenState.VALUE)
         if marker == P_OPEN and in_call:
-            self._state = _Q.PARAM_NAME
+            self._state = _QwenState.PARAM_NAME
         elif marker == P_CLOSE and in_call:
-            self._state = _Q.CALL
+            self._state = _QwenState.CALL
         elif marker in (FN_CLOSE, TC_CLOSE):
             ok = self._end_call() if in_call else True
-            self._state = _Q.SECTION if ok and marker == FN_CLOSE else _Q.CONTENT
+            self._state = _QwenState.SECTION if ok and marker == FN_CLOSE else _QwenState.CONTENT
             self._section_raw = ""
         elif marker == FN_OPEN:
             if in_call:
                 self._end_call()
             raw = self._out.take_ws() + self._section_raw + marker
             self._calls.begin(raw)
-            self._section_raw, self._state = "", _Q.FUNC_NAME
+            self._section_raw, self._state = "", _QwenState.FUNC_NAME
         else:  # TC_OPEN
             if in_call:
                 self._end_call()
-            if self._state is _Q.CONTENT or in_call:
+            if self._state is _QwenState.CONTENT or in_call:
                 self._section_raw = self._out.take_ws()
             self._section_raw += marker
-            self._state = _Q.SECTION
+            self._state = _QwenState.SECTION
 
     def _function_named(self, name: str) -> None:
         if name and not any(ch.isspace() for ch in name) and self._calls.set_name(name):
-            self._state = _Q.CALL
+            self._state = _QwenState.CALL
         else:
             self._calls.doom()
             self._calls.reject()
-            self._state = _Q.CONTENT
+            self._state = _QwenState.CONTENT
 
     def _start_value(self, key: str) -> None:
         spec = self._calls.spec
@@ -194,7 +183,7 @@ class Qwen3CoderFormat(Machine):
         else:
             self._value = []
             self._calls.seen(key)
-        self._state = _Q.VALUE
+        self._state = _QwenState.VALUE
 
     def _end_value(self, exact: bool) -> None:
         """Closes the value; `exact` when its own closing tag did (only then does
@@ -211,7 +200,7 @@ class Qwen3CoderFormat(Machine):
                 self._key, dumps(coerce_text(text, spec.schema(self._key) if spec else None))
             )
         self._value, self._ws = None, ""
-        self._state = _Q.CALL
+        self._state = _QwenState.CALL
 
     def _end_call(self) -> bool:
         self._name, self._name_len, self._value = [], 0, None

@@ -139,7 +139,7 @@ def configure() -> BlasChoice:
 
 def on_cpu() -> bool:
     """True when MLX's default device is the CPU (call after configure())."""
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: MLX must not load before configure() (module docstring)
 
     return bool(mx.default_device() == mx.cpu)
 
@@ -155,7 +155,7 @@ def release_thread_streams() -> None:
     Call it last in every thread that ran MLX work. MLX 0.32 leaves a thread's streams
     to the process's exit otherwise, where they can abort it ("terminate called without
     an active exception", exit 134) after all the work is done."""
-    import mlx.core as mx
+    import mlx.core as mx  # lazy: MLX must not load before configure() (module docstring)
 
     for step in (mx.synchronize, getattr(mx, "clear_streams", None)):
         if step is None:

@@ -16,6 +16,7 @@ from templates.registry import (
     builtin_renderer,
     renderer_for,
 )
+from templates.render_limits import RenderLimits
 from templates.turns import TURN_OPENERS
 from templates.types import (
     ContentPart,
@@ -46,6 +47,7 @@ __all__ = [
     "Qwen3Renderer",
     "Qwen25Renderer",
     "Qwen35Renderer",
+    "RenderLimits",
     "RenderOptions",
     "Renderer",
     "TemplateError",

@@ -10,11 +10,11 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from gateway.core.errors import NotFound
-from gateway.core.models.use import registry
+from gateway.core.models.use import registry_of
 
 
 async def prefix_cache(request: Request) -> JSONResponse:
-    models = registry(request)
+    models = registry_of(request)
     spec = models.find(request.query_params.get("model"))
     lease = models.lease(spec)  # no unload while the view is read
     try:

@@ -18,7 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from gateway.core.models.registry import ModelFacts, ModelRegistry, ModelStatus
+from gateway.core.models.registry import ModelRegistry
+from gateway.core.models.status import ModelFacts, ModelStatus
 from runtime.engine.engine import EngineState
 
 _STATES = {

@@ -12,8 +12,8 @@ from starlette.routing import Route
 
 from gateway.core.generation import output_bound, output_limit
 from gateway.core.http import server_settings
-from gateway.core.models.registry import ModelFacts, ModelState, ModelStatus
-from gateway.core.models.use import registry
+from gateway.core.models.status import ModelFacts, ModelState, ModelStatus
+from gateway.core.models.use import registry_of
 from gateway.core.settings import ServerSettings
 
 
@@ -60,14 +60,14 @@ async def list_models(request: Request) -> JSONResponse:
     settings = server_settings(request)
     data = [
         model_card(status, settings, name)
-        for status in registry(request).status()
+        for status in registry_of(request).status()
         for name in status.spec.names
     ]
     return JSONResponse({"object": "list", "data": data})
 
 
 async def get_model(request: Request) -> JSONResponse:
-    models = registry(request)
+    models = registry_of(request)
     name = str(request.path_params["model_id"])
     spec = models.find(name)
     status = next(s for s in models.status() if s.spec is spec)

@@ -4,7 +4,7 @@ Every field is honoured, refused with a 400 naming it, or (for fields that mean
 nothing on a local server: metadata, service_tier, speed, container, ...) accepted
 and ignored. Anthropic's own tools (web search, bash, text editor: the model was
 trained on their schemas, which the request does not carry) are left out with one
-log line, since clients send them whatever the server.
+log line, since clients send them whatever the server (tools.py).
 """
 
 from __future__ import annotations
@@ -17,20 +17,19 @@ from types import MappingProxyType
 
 from gateway.anthropic import wire
 from gateway.anthropic.emit import thinking_from_signature
+from gateway.anthropic.tools import tools_of
 from gateway.core.errors import InvalidRequest
 from gateway.core.plan import (
     CachePin,
     ChatPlan,
     SamplingFields,
-    ToolPlan,
     render_options,
     resolve_sampling,
     stops,
-    tool_plan,
 )
 from gateway.core.structured import format_constraint
 from runtime.types import Constraint
-from templates.types import ContentPart, ImagePart, Message, TextPart, Tool, ToolCall
+from templates.types import ContentPart, ImagePart, Message, TextPart, ToolCall
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +234,7 @@ def system_text(system: str | list[wire.Block] | None) -> str | None:
     return join_texts(kept) if kept else None
 
 
-def thinking_turns_kept(req: wire._Prompt) -> int | None:
+def thinking_turns_kept(req: wire.PromptRequest) -> int | None:
     """How many of the latest assistant turns keep their thinking (None: all).
 
     A clear_thinking edit keeps `keep.value` turns ({"type": "thinking_turns"}), all
@@ -272,7 +271,7 @@ def thinking_turns_kept(req: wire._Prompt) -> int | None:
     return kept
 
 
-def to_messages(req: wire._Prompt) -> tuple[Message, ...]:
+def to_messages(req: wire.PromptRequest) -> tuple[Message, ...]:
     keep = thinking_turns_kept(req)
     assistants = sum(1 for m in req.messages if m.role == "assistant")
     out: list[Message] = []
@@ -329,63 +328,10 @@ def fold_system(messages: Sequence[Message]) -> tuple[Message, ...] | None:
     return tuple(out)
 
 
-# -- tools, thinking, sampling -----------------------------------------------------------
+# -- thinking, sampling ----------------------------------------------------------------
 
 
-def _tools(req: wire._Prompt) -> tuple[list[Tool], list[str]]:
-    """The custom tools to render, and the names of Anthropic's own tools left out."""
-    tools: list[Tool] = []
-    hosted: list[str] = []
-    for j, t in enumerate(req.tools or ()):
-        if t.type not in (None, "custom"):
-            hosted.append(t.name or t.type)
-            continue
-        if not t.name:
-            raise InvalidRequest(f"tools[{j}] has no name", param=f"tools[{j}].name")
-        if t.input_schema is None:
-            raise InvalidRequest(
-                f"tools[{j}] ({t.name}) has no input_schema", param=f"tools[{j}].input_schema"
-            )
-        tools.append(Tool(t.name, t.description, MappingProxyType(t.input_schema)))
-    if hosted:
-        log.info("left out Anthropic-hosted tools this server cannot run: %s", ", ".join(hosted))
-    return tools, hosted
-
-
-def _tool_choice(
-    choice: wire.ToolChoice | None, tools: Sequence[Tool], hosted: Sequence[str], sent: bool
-) -> tuple[str, str | None]:
-    if choice is None or choice.type == "auto":
-        return ("auto" if tools else "none"), None
-    if choice.type == "none":
-        return "none", None
-    if choice.type == "any":
-        if not sent:
-            raise InvalidRequest("tool_choice 'any' needs a non-empty tools list", param="tools")
-        return "required", None
-    name = choice.name
-    if not name:
-        raise InvalidRequest("tool_choice 'tool' needs a name", param="tool_choice.name")
-    if name in hosted:
-        raise InvalidRequest(
-            f"tool_choice names {name!r}, an Anthropic-hosted tool this server cannot run",
-            param="tool_choice.name",
-        )
-    if name not in {t.name for t in tools}:
-        raise InvalidRequest(
-            f"tool_choice names {name!r}, which is not in tools", param="tool_choice.name"
-        )
-    return "named", name
-
-
-def tools_of(req: wire._Prompt, *, supported: bool) -> ToolPlan:
-    tools, hosted = _tools(req)
-    choice, name = _tool_choice(req.tool_choice, tools, hosted, bool(req.tools))
-    parallel = not (req.tool_choice and req.tool_choice.disable_parallel_tool_use)
-    return tool_plan(tools, choice, name, parallel, supported=supported)
-
-
-def _effort(req: wire._Prompt) -> str | None:
+def _effort(req: wire.PromptRequest) -> str | None:
     effort = req.output_config.effort if req.output_config else None
     if effort is None:
         return None
@@ -397,7 +343,7 @@ def _effort(req: wire._Prompt) -> str | None:
     return _EFFORT_NAMES.get(effort, effort)
 
 
-def render_switches(req: wire._Prompt) -> tuple[bool | None, str | None]:
+def render_switches(req: wire.PromptRequest) -> tuple[bool | None, str | None]:
     """(enable_thinking, reasoning_effort): thinking enabled or adaptive turns the
     template's thinking on, disabled turns it off (and then effort is not passed, so it
     cannot turn thinking back on); absent leaves the template's default."""
@@ -407,7 +353,7 @@ def render_switches(req: wire._Prompt) -> tuple[bool | None, str | None]:
     return enable, (None if enable is False else effort)
 
 
-def cache_pin(req: wire._Prompt) -> CachePin | None:
+def cache_pin(req: wire.PromptRequest) -> CachePin | None:
     """A pin when any cache_control breakpoint is present, for the longest TTL asked."""
     marks = [req.cache_control]
     marks += [t.cache_control for t in req.tools or ()]
@@ -433,7 +379,7 @@ def cache_pin(req: wire._Prompt) -> CachePin | None:
     return CachePin(ttl=max(ttls)) if ttls else None
 
 
-def _refuse_unsupported(req: wire._Prompt) -> None:
+def _refuse_unsupported(req: wire.PromptRequest) -> None:
     if req.mcp_servers:
         raise InvalidRequest(
             "mcp_servers: this server cannot connect to MCP servers; connect them in the "
@@ -442,7 +388,7 @@ def _refuse_unsupported(req: wire._Prompt) -> None:
         )
 
 
-def output_format(req: wire._Prompt) -> Constraint | None:
+def output_format(req: wire.PromptRequest) -> Constraint | None:
     """Structured output: output_config.format, or the beta's top-level output_format,
     {"type": "json_schema", "schema": {...}}."""
     if req.output_config is not None and req.output_config.format is not None:
@@ -461,7 +407,7 @@ def output_format(req: wire._Prompt) -> Constraint | None:
 
 
 def prompt_plan(
-    req: wire._Prompt,
+    req: wire.PromptRequest,
     *,
     tools_supported: bool,
     defaults: Mapping[str, float] | None = None,

@@ -100,7 +100,7 @@ class Metadata(_Wire):
     user_id: str | None = None
 
 
-class _Prompt(_Wire):
+class PromptRequest(_Wire):
     """The fields that shape the prompt: shared by messages and count_tokens."""
 
     model: str
@@ -125,7 +125,7 @@ class _Prompt(_Wire):
     workspace_id: str | None = None
 
 
-class MessagesRequest(_Prompt):
+class MessagesRequest(PromptRequest):
     # 0 is Anthropic's "warm the prompt cache, generate nothing"
     max_tokens: int = Field(ge=0)
     stream: bool = False
@@ -135,5 +135,5 @@ class MessagesRequest(_Prompt):
     top_k: int | None = Field(default=None, ge=0)
 
 
-class CountTokensRequest(_Prompt):
+class CountTokensRequest(PromptRequest):
     pass

@@ -6,15 +6,21 @@ import argparse
 import sys
 from pathlib import Path
 
+from gateway.cli.common import engine_settings, resolve
 from gateway.core.models.build import EngineSettings, build_served
+from gateway.core.models.served import ServedModel
 from runtime.types import Finished, GenerationRequest, SamplingParams, TextDelta
 from templates.types import Message, RenderOptions
 
 
-def _answer(served: object, history: list[Message], args: argparse.Namespace) -> str:
-    from gateway.core.models.served import ServedModel
+def run(args: argparse.Namespace) -> int:
+    """`mlx-gateway run MODEL [PROMPT]`."""
+    settings = engine_settings(args)
+    path, model_id = resolve(args.model)
+    return run_chat(path, model_id, args, settings)
 
-    assert isinstance(served, ServedModel)
+
+def _answer(served: ServedModel, history: list[Message], args: argparse.Namespace) -> str:
     if not served.caps.chat:
         raise SystemExit(f"error: {served.id} has no chat template; use the HTTP completions API")
     text = served.renderer.render(tuple(history), (), RenderOptions())

@@ -24,6 +24,7 @@ from typing import Any
 from parsers.grammars._common import GRAMMAR_KEY, CallGrammar, Tag
 from parsers.grammars.json_calls import HERMES_CLOSE, HERMES_OPEN, deepseek, hermes, llama3_json
 from parsers.grammars.xml_calls import custom_lark, glm, qwen3_coder
+from parsers.registry import call_openers
 
 __all__ = [
     "GRAMMAR_KEY",
@@ -80,8 +81,5 @@ def free_calls(parser: str, *, tag: Tag) -> str | None:
     tokens. Next to a response format's grammar this keeps tool calls possible (their
     syntax then unchecked) instead of ruling them out. None for a format with no
     tool calls."""
-    from parsers import _formats  # the registry of formats, by parser name
-
-    factory = _formats().get(parser)
-    openers: tuple[str, ...] = getattr(factory, "openers", ())
+    openers = call_openers(parser)
     return f"calls: {tag(openers[0])} <[*]>*\n" if openers else None

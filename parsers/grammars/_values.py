@@ -17,8 +17,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from parsers._schema import _alternatives
 from parsers.grammars._common import GRAMMAR_KEY, Schema, containing, regex_literal
+from parsers.schema_types import alternatives
 from runtime.text.constraints import ConstraintError, check, lark_constraint
 
 # What the parser's `_parse_as` takes for each type (after stripping whitespace).
@@ -53,8 +53,8 @@ def value_form(schema: Schema, root: Schema, markers: Iterable[str]) -> ValueFor
     custom = schema.get(GRAMMAR_KEY)
     if isinstance(custom, Mapping) and custom.get("syntax") in ("lark", "regex"):
         return ValueForm(grammar=(str(custom["syntax"]), str(custom.get("definition", ""))))
-    alternatives = list(_alternatives(schema))
-    stringish = [sub for kind, sub in alternatives if kind in (None, "string")]
+    alts = list(alternatives(schema))
+    stringish = [sub for kind, sub in alts if kind in (None, "string")]
     if not stringish:
         return ValueForm(json=_with_definitions(schema, root))
     pieces = [p for p in (_string_regex(_resolve(sub, root, 0)) for sub in stringish) if p]
@@ -62,14 +62,12 @@ def value_form(schema: Schema, root: Schema, markers: Iterable[str]) -> ValueFor
         return None
     body = pieces[0] if len(pieces) == 1 else " | ".join(f"({p})" for p in pieces)
     terms = [f"({body})", f"~{containing(markers)}"]
-    typed = {kind for kind, _ in alternatives if kind in _PARSES_AS}
+    typed = {kind for kind, _ in alts if kind in _PARSES_AS}
     terms += sorted({f"~{_PARSES_AS[kind]}" for kind in typed})
     raw = " & ".join(terms)
     # the parser reads these words back as true, false and null: valid for a plain
     # boolean or null alternative
-    words = sorted(
-        {w for kind, sub in alternatives if kind and _plain(sub) for w in _WORDS.get(kind, ())}
-    )
+    words = sorted({w for kind, sub in alts if kind and _plain(sub) for w in _WORDS.get(kind, ())})
     if words:
         raw = f"({raw}) | /({'|'.join(words)})/"
     return ValueForm(raw=raw)

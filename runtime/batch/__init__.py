@@ -1,0 +1,21 @@
+"""The running batch: the scheduler (admission, prefill interleaved with decode), chunk
+pacing, prompt prefill, sequences, request handles and the single-sequence loop."""
+
+from __future__ import annotations
+
+from runtime.batch.generate import DEFAULT_PREFILL_CHUNK, generate_tokens
+from runtime.batch.handle import RequestHandle, ThreadSink, open_handle
+from runtime.batch.scheduler import Scheduler, SchedulerStats
+from runtime.batch.sequence import Seq, SequenceOutput
+
+__all__ = [
+    "DEFAULT_PREFILL_CHUNK",
+    "RequestHandle",
+    "Scheduler",
+    "SchedulerStats",
+    "Seq",
+    "SequenceOutput",
+    "ThreadSink",
+    "generate_tokens",
+    "open_handle",
+]

@@ -91,7 +91,8 @@ def prefill(
         offset += n
 
 
-def _sample_arrays(result: SampleResult) -> list[mx.array]:
+def sample_arrays(result: SampleResult) -> list[mx.array]:
+    """The arrays of a sample to evaluate before reading it back (`read_sampled`)."""
     # the chosen token's logprob costs a log-sum-exp over the vocabulary: only
     # evaluate it (and the top ids) when the request asked for logprobs
     if result.top_ids is None or result.top_logprobs is None:
@@ -99,7 +100,8 @@ def _sample_arrays(result: SampleResult) -> list[mx.array]:
     return [result.token, result.logprob, result.top_ids, result.top_logprobs]
 
 
-def _read(result: SampleResult) -> SampledToken:
+def read_sampled(result: SampleResult) -> SampledToken:
+    """A sample read back to the host (waits for the device)."""
     token = int(result.token.item())  # type: ignore[arg-type]
     if result.top_ids is None or result.top_logprobs is None:
         return SampledToken(token, None, ())
@@ -155,15 +157,15 @@ def generate_tokens(
         yield from _constrained(model, caches, rest, sampler, constraint, max_tokens, cancelled)
         return
     current = _next(model, caches, mx.array(rest, dtype=mx.int32)[None], sampler)
-    mx.async_eval(_sample_arrays(current))
+    mx.async_eval(sample_arrays(current))
     for produced in range(1, max_tokens + 1):
         pending = None
         if produced < max_tokens:
             # queue the next step before reading this one: the device works
             # while the host detokenizes and streams
             pending = _next(model, caches, current.token.reshape(1, 1), sampler)
-            mx.async_eval(_sample_arrays(pending))
-        yield _read(current)
+            mx.async_eval(sample_arrays(pending))
+        yield read_sampled(current)
         if pending is None:
             return
         if cancelled():
@@ -189,13 +191,13 @@ def _constrained(
     logits = _logits(model, caches, mx.array(rest, dtype=mx.int32)[None])
     mx.async_eval(logits)
     current = sampler.sample(logits, constraint.mask())
-    mx.async_eval(_sample_arrays(current))
+    mx.async_eval(sample_arrays(current))
     for produced in range(1, max_tokens + 1):
         pending = None
         if produced < max_tokens:
             pending = _logits(model, caches, current.token.reshape(1, 1))
             mx.async_eval(pending)
-        sampled = _read(current)
+        sampled = read_sampled(current)
         constraint.advance(sampled.token_id)
         yield sampled
         if pending is None:
@@ -203,6 +205,6 @@ def _constrained(
         if cancelled():
             raise Cancelled
         current = sampler.sample(pending, constraint.mask())
-        mx.async_eval(_sample_arrays(current))
+        mx.async_eval(sample_arrays(current))
         if produced % 256 == 0:
             mx.clear_cache()

@@ -34,7 +34,9 @@ class _AsyncSink:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
-class _ThreadSink:
+class ThreadSink:
+    """Events for a consumer on a plain thread (or for nobody: a replica's handle)."""
+
     def __init__(self) -> None:
         self.queue: queue.SimpleQueue[GenerationEvent] = queue.SimpleQueue()
 
@@ -45,7 +47,7 @@ class _ThreadSink:
 class RequestHandle:
     """The caller's side of one request: iterate its events, or cancel it."""
 
-    def __init__(self, request: GenerationRequest, sink: _AsyncSink | _ThreadSink) -> None:
+    def __init__(self, request: GenerationRequest, sink: _AsyncSink | ThreadSink) -> None:
         self.request = request
         self._sink = sink
         self._cancel = threading.Event()
@@ -96,7 +98,7 @@ class RequestHandle:
 
     def __iter__(self) -> Iterator[GenerationEvent]:
         sink = self._sink
-        assert isinstance(sink, _ThreadSink), "submit() from asyncio gives an async handle"
+        assert isinstance(sink, ThreadSink), "submit() from asyncio gives an async handle"
         while True:
             event = sink.queue.get()
             yield event
@@ -107,9 +109,9 @@ class RequestHandle:
 def open_handle(request: GenerationRequest) -> RequestHandle:
     """A handle for the calling context: async-iterable when called from asyncio (its
     events cross into the loop thread-safely), else a plain iterator."""
-    sink: _AsyncSink | _ThreadSink
+    sink: _AsyncSink | ThreadSink
     try:
         sink = _AsyncSink(asyncio.get_running_loop())
     except RuntimeError:
-        sink = _ThreadSink()
+        sink = ThreadSink()
     return RequestHandle(request, sink)

@@ -1,4 +1,5 @@
-"""One sequence's host side: sampled tokens in, text deltas out, and when it is done.
+"""One sequence: its host side (sampled tokens in, text deltas out, and when it is done)
+and the scheduler's record of it (`Seq`).
 
 Detokenizing, stop strings, end-of-sequence ids, logprobs and cancellation for one
 request; the scheduler feeds it every token it reads back for that sequence.
@@ -6,18 +7,35 @@ request; the scheduler feeds it every token it reads back for that sequence.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from runtime.batch.generate import SampledToken
+import mlx.core as mx
+
+from runtime.batch.generate import SampledToken, read_sampled
 from runtime.text.detokenizer import DetokenizerTable, StreamingDetokenizer
 from runtime.text.stops import StopMatcher
-from runtime.types import FinishReason, TextDelta, TokenLogprob, TopLogprob
+from runtime.types import (
+    Finished,
+    FinishReason,
+    GenerationStats,
+    TextDelta,
+    TokenLogprob,
+    TopLogprob,
+)
 
 if TYPE_CHECKING:
-    from runtime.engine.engine import RequestHandle
+    from runtime.batch.handle import RequestHandle
+    from runtime.batch.layered_prefill import LayeredChunk
+    from runtime.batch.prompt_prefill import PromptPrefill
+    from runtime.text.constraints import TokenMatcher
+    from runtime.text.sampling import Sampler, SampleResult
+    from runtime.vision.spans import PromptImages
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -100,3 +118,65 @@ class SequenceOutput:
         """Release held-back text at the end, still honouring stop strings."""
         text, hit = self._stops.feed(self._detok.flush())
         return (text, True) if hit else (text + self._stops.flush(), False)
+
+
+@dataclass(eq=False)
+class Seq:
+    """One request as the scheduler holds it: queued for its prompt, then a row of the
+    running batch (runtime/batch/scheduler.py)."""
+
+    handle: RequestHandle
+    out: SequenceOutput
+    sampler: Sampler
+    matcher: TokenMatcher | None
+    start: float
+    prefill: PromptPrefill | None = None
+    caches: list[Any] | None = None  # its own caches, when the model's cannot batch
+    input: mx.array | None = None  # (1,) the token the next step feeds
+    unread: SampleResult | None = None  # sampled on the device, not yet read
+    images: PromptImages | None = None  # its prompt's images (prefix-cache keys)
+    layered: LayeredChunk | None = None  # its prompt's chunk on its way through the layers
+
+    @property
+    def request(self) -> Any:
+        return self.handle.request
+
+    @property
+    def shift(self) -> int:
+        """Rotary position minus offset of its decode steps (multimodal RoPE)."""
+        return 0 if self.images is None else self.images.shift
+
+    def read(self) -> bool:
+        """Read the last sampled token back and stream it; True when the sequence ended."""
+        if self.unread is not None:
+            sampled = read_sampled(self.unread)
+            self.unread = None
+            if self.matcher is not None:
+                self.matcher.advance(sampled.token_id)
+            if self.out.accept(sampled):
+                return True
+        if self.handle.cancelled:
+            self.out.progress.reason = FinishReason.CANCELLED
+            return True
+        return False
+
+    def finished(self, error: str | None = None) -> Finished:
+        """Its Finished event, with the timings and token counts of its run."""
+        p = self.out.progress
+        end = time.perf_counter()
+        first = p.first_at if p.first_at is not None else end
+        stats = GenerationStats(
+            prompt_tokens=len(p.prompt),
+            completion_tokens=len(p.generated),
+            cached_tokens=p.reused,
+            prefill_seconds=first - self.start,
+            decode_seconds=end - first,
+            peak_memory_bytes=int(mx.get_peak_memory()),
+        )
+        log.debug(
+            "request %s: prompt=%d reused=%d computed=%d completion=%d "
+            "prefill=%.1f tok/s decode=%.1f tok/s",
+            p.reason.value, stats.prompt_tokens, p.reused, stats.prompt_tokens - p.reused,
+            stats.completion_tokens, stats.prefill_tps, stats.decode_tps,
+        )  # fmt: skip
+        return Finished(p.reason, stats, error, stop_string=p.stop_string)

@@ -1,27 +1,38 @@
-"""Per-layer caches, their snapshots, and the protocol models and the prefix trie use."""
+"""Per-layer caches, their snapshots, and the protocol models and the prefix trie use;
+the batched and ragged forms the scheduler runs a batch on.
+
+The disk tier's snapshot encoding (codec.py: `encode`, `decode`, `Layout`) is imported
+from runtime.cache.codec: its generic names read as this package's own verbs otherwise."""
 
 from __future__ import annotations
 
-from runtime.cache.kv import KVCache, KVSnapshot
+from runtime.cache.batch import BatchCaches, BatchTokenCache, batchable
+from runtime.cache.kv import KVCache, KVSnapshot, reserve_prompt
 from runtime.cache.latent import LatentCache
 from runtime.cache.mask import Mask, window_mask
 from runtime.cache.protocol import ArraySnapshot, Cache, LayerCache, Snapshot
+from runtime.cache.ragged import RaggedCache
 from runtime.cache.recurrent import RecurrentCache, RecurrentSnapshot, RecurrentState
 from runtime.cache.rotating import RotatingKVCache, RotatingSnapshot
 
 __all__ = [
     "ArraySnapshot",
+    "BatchCaches",
+    "BatchTokenCache",
     "Cache",
     "KVCache",
     "KVSnapshot",
     "LatentCache",
     "LayerCache",
     "Mask",
+    "RaggedCache",
     "RecurrentCache",
     "RecurrentSnapshot",
     "RecurrentState",
     "RotatingKVCache",
     "RotatingSnapshot",
     "Snapshot",
+    "batchable",
+    "reserve_prompt",
     "window_mask",
 ]

@@ -24,7 +24,7 @@ from runtime.engine.runner import ModelRunner, RunnerSettings
 from runtime.types import FinishReason
 
 if TYPE_CHECKING:
-    from runtime.load.loader import LoadedModel
+    from runtime.load.loaded import LoadedModel
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import numpy as np
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.quantized import QuantizedLinear
 
-from runtime.kernels import bridge as cpu_kernels
+from runtime import kernels as cpu_kernels
 
 Index = np.ndarray[Any, np.dtype[np.int64]]
 PAD = -1  # an index that stands for zeros

@@ -3,8 +3,8 @@
 MLX reads a safetensors tensor only when something evaluates it. The loader builds the
 model and loads every weight lazily; `shard_model` then replaces each weight by this
 rank's slice (a copy of it) and drops the layers of other pipeline stages, and the
-checkpoint's own references are gone by then (runtime/load/loader.py `_finish`). Evaluating
-one layer at a time afterwards bounds what is briefly held in full to one layer's
+checkpoint's own references are gone by then (runtime/load/loaded.py `finish_model`).
+Evaluating one layer at a time afterwards bounds what is briefly held in full to one layer's
 tensors: a rank's memory holds its part, never the whole model.
 
 A GGUF file is converted to arrays by numpy as it is read, so a GGUF rank does pass
@@ -21,7 +21,8 @@ import mlx.core as mx
 from runtime.distributed.group import GroupLike, handle_of
 from runtime.distributed.pipeline import parameter_bytes
 from runtime.distributed.shard import Mode, shard_info, shard_model
-from runtime.load.loader import LoadedModel, load
+from runtime.load.loaded import LoadedModel
+from runtime.load.loader import load
 from runtime.models.base import LanguageModel
 
 log = logging.getLogger(__name__)

@@ -73,8 +73,8 @@ from runtime.engine.runner import ModelRunner, RunnerSettings
 from runtime.types import Finished, FinishReason
 
 if TYPE_CHECKING:
-    from runtime.engine.engine import RequestHandle
-    from runtime.load.loader import LoadedModel
+    from runtime.batch.handle import RequestHandle
+    from runtime.load.loaded import LoadedModel
 
 log = logging.getLogger(__name__)
 

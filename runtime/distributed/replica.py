@@ -14,9 +14,11 @@ from typing import Any, TypeVar, cast
 import mlx.core as mx
 import numpy as np
 
-from runtime.batch.handle import RequestHandle, _ThreadSink
+from runtime.batch.handle import RequestHandle, ThreadSink
+from runtime.batch.pacing import FUSED_SHARE
 from runtime.batch.prompt_prefill import keeps_on_the_way
-from runtime.batch.scheduler import FUSED_SHARE, Scheduler, _Seq
+from runtime.batch.scheduler import Scheduler
+from runtime.batch.sequence import Seq
 from runtime.cache import LayerCache
 from runtime.prefix.cache import PrefixCache
 from runtime.prefix.plan import Plan, plan_restore
@@ -44,7 +46,7 @@ class Replica(RequestHandle):
     on rank 0 its events go to the client's handle (`real`), elsewhere nowhere."""
 
     def __init__(self, serial: int, request: GenerationRequest, real: RequestHandle | None):
-        super().__init__(request, _ThreadSink())  # the sink is never used: see _emit
+        super().__init__(request, ThreadSink())  # the sink is never used: see _emit
         self.serial = serial
         self.real = real
         self.frozen = False  # cancelled, as of this step
@@ -130,10 +132,9 @@ class LockstepScheduler(Scheduler):
 
     def held_bytes(self) -> int:
         """The cache memory this rank holds: the running batch's and the trie's."""
-        batch = self._batch.nbytes if self._batch is not None else 0
-        return batch + self.prefix.paged_bytes
+        return self.running.nbytes + self.prefix.paged_bytes
 
-    def _agree(self, rows: list[_Seq]) -> None:
+    def _agree(self, rows: list[Seq]) -> None:
         if not rows or self.share is None:
             return
         results = [r.unread for r in rows if r.unread is not None]
@@ -148,16 +149,16 @@ class LockstepScheduler(Scheduler):
 
     def measured(self) -> tuple[float, float]:
         """This rank's own timings (rank 0 sends its)."""
-        return self.stats.decode_step_seconds, self._prefill_rate
+        return self.pacing.decode_step_seconds, self.pacing.prefill_rate
 
     @property
     def row_bytes(self) -> tuple[int, int]:
-        return self._row_bytes
+        return self.running.row_bytes
 
     @row_bytes.setter
     def row_bytes(self, value: tuple[int, int]) -> None:
         # a follower takes rank 0's, so that whether a new sequence fits is one decision
-        self._row_bytes = value
+        self.running.row_bytes = value
 
     def expected_seconds(self) -> float | None:
         """About how long the next step takes, from this rank's measurements; None when a
@@ -171,7 +172,7 @@ class LockstepScheduler(Scheduler):
             done = 0 if head.prefill is None else head.prefill.offset
             left = len(head.request.prompt_tokens) - done
             seconds += min(head.request.prefill_chunk or self.prefill_chunk, left) / rate
-        if self._rows:
+        if self.running.rows:
             if step <= 0:
                 if rate <= 0:
                     return None
@@ -182,8 +183,9 @@ class LockstepScheduler(Scheduler):
     def digest_parts(self) -> list[int]:
         """Numbers every rank must agree on after a step."""
         s = self.stats
-        parts = [len(self._rows), len(self._queue), len(self._writebacks), s.steps, s.fused_steps]
-        for row in self._rows:
+        waiting = len(self._trie.writebacks)
+        parts = [len(self.running), len(self._queue), waiting, s.steps, s.fused_steps]
+        for row in self.running.rows:
             generated = row.out.progress.generated
             parts += [len(generated), generated[-1] if generated else -1]
         for seq in self._queue:

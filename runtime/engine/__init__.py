@@ -1,0 +1,35 @@
+"""The engine: the one worker thread that owns MLX, its queue, watchdog and handles, and
+the runner that serves a loaded model's batch (see engine.py's docstring)."""
+
+from __future__ import annotations
+
+from runtime.batch.handle import RequestHandle
+from runtime.engine.engine import Engine
+from runtime.engine.runner import ModelRunner, RunnerSettings
+from runtime.engine.types import (
+    BatchRunner,
+    EngineFailure,
+    EngineHealth,
+    EngineState,
+    EngineStats,
+    EngineStopped,
+    EngineUnavailable,
+    QueueFull,
+    Runner,
+)
+
+__all__ = [
+    "BatchRunner",
+    "Engine",
+    "EngineFailure",
+    "EngineHealth",
+    "EngineState",
+    "EngineStats",
+    "EngineStopped",
+    "EngineUnavailable",
+    "ModelRunner",
+    "QueueFull",
+    "RequestHandle",
+    "Runner",
+    "RunnerSettings",
+]

@@ -8,6 +8,7 @@ thread that owns MLX; `prefix_cache_view` from any thread.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,8 +31,8 @@ from runtime.text.sampling import Sampler
 from runtime.types import Constraint, Finished, FinishReason
 
 if TYPE_CHECKING:
-    from runtime.engine.engine import RequestHandle
-    from runtime.load.loader import LoadedModel
+    from runtime.batch.handle import RequestHandle
+    from runtime.load.loaded import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,6 @@ def default_prefix_cache_bytes() -> int:
     """A fifth of physical memory: room for many paged-out conversations, and the
     model and live caches keep the rest."""
     try:
-        import os
-
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         total = 16 * 1024**3

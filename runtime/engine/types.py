@@ -3,6 +3,7 @@ states, its health and counters, and the two kinds of runner it drives."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
@@ -66,6 +67,33 @@ class EngineStats:
     prefilling: int = 0
     decode_steps: int = 0
     decode_step_seconds: float = 0.0
+
+
+class Heartbeat:
+    """The worker's last sign of life and its failure record: the worker beats, the
+    watchdog (runtime/engine/watchdog.py) records failures, /health reads both."""
+
+    def __init__(self) -> None:
+        self.at = time.monotonic()  # the worker's last step, admission or idle poll
+        self.streak = 0  # failures since a request last finished well
+        self.restarts = 0  # fresh workers started after a failure or a stall
+        self.failures = 0  # worker deaths and stalls
+        self.last_failure: str | None = None
+
+    def beat(self) -> None:
+        self.at = time.monotonic()
+
+    def age(self) -> float:
+        return max(0.0, time.monotonic() - self.at)
+
+    def worked(self) -> None:
+        """A request finished well: the engine works, the next failure restarts it quickly."""
+        self.streak = 0
+
+    def failed(self, error: str) -> None:
+        self.failures += 1
+        self.streak += 1
+        self.last_failure = error
 
 
 class Runner(Protocol):

@@ -1,0 +1,9 @@
+"""Loading a model for serving: a HF-style folder, an MLX-quantized or FP8 folder, or a
+GGUF file (runtime.load.gguf), into a runtime.models architecture with its tokenizer."""
+
+from __future__ import annotations
+
+from runtime.load.loaded import LoadedModel, ShardHook
+from runtime.load.loader import load
+
+__all__ = ["LoadedModel", "ShardHook", "load"]

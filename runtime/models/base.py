@@ -11,9 +11,9 @@ from mlx.nn.layers.activations import gelu, silu
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.embedding import Embedding
 
+from runtime import kernels as cpu_kernels
 from runtime.cache import Cache, KVCache, Mask, RotatingKVCache, window_mask
 from runtime.cache.ragged import RaggedCache
-from runtime.kernels import bridge as cpu_kernels
 from runtime.models.linear import Linear
 from runtime.models.rope import RoPE
 

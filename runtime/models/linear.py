@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.linear import Linear as _MLXLinear
 
-from runtime.kernels import bridge as cpu_kernels
+from runtime import kernels as cpu_kernels
 
 # a block whose largest float matrix is smaller than this stays on MLX's GEMM
 BLOCK_MIN_WEIGHT_BYTES = 8 << 20

@@ -1,0 +1,28 @@
+"""The shared prefix trie: conversations that share a prefix reuse its computed state.
+
+`PrefixCache` (cache.py) is what the batch and the engine call; a request's use of the
+live caches is a `Lease`, and what it reused is a `CacheReport`. The disk tier lives in
+runtime/prefix/disk/.
+"""
+
+from __future__ import annotations
+
+from runtime.prefix.cache import Lease, PrefixCache
+from runtime.prefix.loan import RowState
+from runtime.prefix.plan import Plan, plan_restore
+from runtime.prefix.report import CacheReport, MissReason
+from runtime.prefix.trie import ImageKey, Key, Node, image_keys
+
+__all__ = [
+    "CacheReport",
+    "ImageKey",
+    "Key",
+    "Lease",
+    "MissReason",
+    "Node",
+    "Plan",
+    "PrefixCache",
+    "RowState",
+    "image_keys",
+    "plan_restore",
+]

@@ -27,13 +27,17 @@ line. The invariant: with greedy sampling, any sequence of requests yields the s
 tokens as running every request from scratch. A failed restore falls back to a clean
 state. Each `begin` files a report of what was reused and why not more
 (runtime/prefix/report.py); the last few are kept for the debug view.
+
+`PrefixCache` is the facade the batch and the engine call (the lease API, lending,
+inspection). Its parts: the live path and positioning (runtime/prefix/live.py),
+eviction (runtime/prefix/evict.py), the disk tier hookup (runtime/prefix/persist.py),
+counters and reports (runtime/prefix/stats.py), and the invariants (runtime/prefix/verify.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -42,12 +46,14 @@ import mlx.core as mx
 
 from runtime.cache import LayerCache, Snapshot
 from runtime.prefix.disk.tier import DiskTier
-from runtime.prefix.evict import TrieEviction
-from runtime.prefix.loan import Loan, RowState, hand_over, lendable, take_back
+from runtime.prefix.live import LivePath
+from runtime.prefix.loan import hand_over
+from runtime.prefix.persist import Persistence
 from runtime.prefix.pins import Pins, label
-from runtime.prefix.plan import Plan, apply_plans, deferred_steps, plan_restore
 from runtime.prefix.report import CacheReport, EvictionMemory, continuation, disabled, report
-from runtime.prefix.trie import DeferredSnapshot, ImageKey, Key, Node, Trie, image_keys
+from runtime.prefix.stats import CacheStats
+from runtime.prefix.trie import ImageKey, Key, Trie, image_keys
+from runtime.prefix.verify import verify_live
 from runtime.types import PrefixPin
 
 log = logging.getLogger(__name__)
@@ -71,7 +77,7 @@ class Lease(Generic[C]):
     report: CacheReport | None = None  # what was reused, and why not more
 
 
-class PrefixCache(TrieEviction, Generic[C]):
+class PrefixCache(LivePath[C]):
     def __init__(
         self,
         make_caches: Callable[[], Sequence[C]],
@@ -90,22 +96,21 @@ class PrefixCache(TrieEviction, Generic[C]):
         self.limit_bytes = budget_bytes  # lowered while the running batch needs memory
         self.snapshot_interval = snapshot_interval
         self.tail_keep = tail_keep
-        self._caches: list[C] = list(make_caches()) if budget_bytes > 0 else []
+        self._caches = list(make_caches()) if budget_bytes > 0 else []
         self._trie = Trie(self._caches)
-        self._path: list[Node] = [self._trie.root]
+        self._path = [self._trie.root]
         self._lease: Lease[C] | None = None
-        self._loan: Loan | None = None  # the live state, lent to a batch row
+        self._loan = None
         self._serial = 0
         self._tick = 0
-        self._counts: Counter[str] = Counter()
+        self._stats = CacheStats(reports)
+        self._counts = self._stats.counts  # bumped by eviction too
         self._pins = Pins(clock)
         self._evicted = EvictionMemory()
-        self._reports: deque[CacheReport] = deque(maxlen=reports)
-        self._disk = disk if self.enabled else None
-        if disk is not None and self._disk is None:
+        if disk is not None and not self.enabled:
             disk.close()  # no cache, no disk tier
-        if self._disk is not None:
-            self._disk.attach(self._trie)
+            disk = None
+        self._disk = Persistence(self._trie, disk)
 
     # -- the request lifecycle --
 
@@ -127,8 +132,7 @@ class PrefixCache(TrieEviction, Generic[C]):
             self.discard(self._lease)
         keys = tuple(tokens)
         self._serial += 1
-        self._counts["requests"] += 1
-        self._counts["prompt_tokens"] += len(keys)
+        self._stats.began(len(keys))
         tag = None if pin is None else label(pin)
         if not self.enabled:
             lease = Lease(
@@ -140,10 +144,8 @@ class PrefixCache(TrieEviction, Generic[C]):
             if pin is not None:
                 self._pins.add(keys, pin)
             lease = self._begin_cached(keys, tag, boundaries)
-            self._counts["hits"] += lease.reused > 0
-            self._counts["reused_tokens"] += lease.reused
         assert lease.report is not None
-        self._reports.append(lease.report)
+        self._stats.file(lease.report)
         self._lease = lease
         return lease
 
@@ -210,7 +212,7 @@ class PrefixCache(TrieEviction, Generic[C]):
                 cache.free()
             return
         self._tick += 1
-        if not self._record(lease, tuple(tokens_in_cache)):
+        if not self._record(lease.tokens, tuple(tokens_in_cache)):
             log.warning("prefix cache: caches disagree with the tokens; dropping live state")
             self._counts["discards"] += 1
             self._clear_live()
@@ -261,45 +263,6 @@ class PrefixCache(TrieEviction, Generic[C]):
         self.end(lease, lease.tokens)
         return True
 
-    # -- lending the live state to a batch row (runtime/prefix/loan.py) --
-
-    def lend(self, source: Callable[[], RowState | None]) -> bool:
-        """Between requests: the live path's state is also in a batch row (`source`
-        gives the row's keys and values); drop the live caches' copy until it is next
-        needed. False (nothing changed) unless every layer is a plain KV cache."""
-        end = self._path[-1].end
-        if not self.enabled or self._lease is not None or self._loan is not None:
-            return False
-        if end == 0 or not lendable(self._caches):
-            return False
-        for cache in self._caches:
-            cache.free()
-        self._loan = Loan(source, end)
-        return True
-
-    def reclaim(self) -> None:
-        """Take a lent live path back from its batch row now (also before an abort drops
-        the batch); where the row is gone, or its arrays cannot be read (left on the
-        stream of a worker that died), drop the live path instead."""
-        loan, self._loan = self._loan, None
-        if loan is None:
-            return
-        try:
-            back = take_back(loan, self._caches)  # type: ignore[arg-type]
-        except RuntimeError as e:
-            log.info("prefix cache: taking the live path back failed (%s)", e)
-            back = False
-        if not back:
-            log.info("prefix cache: the batch row holding the live path is gone; dropping it")
-            self._clear_live()
-            self._enforce_budget()
-
-    def _extends_live(self, keys: tuple[Key, ...]) -> bool:
-        end = self._path[-1].end
-        return len(keys) >= end and keys[:end] == tuple(
-            k for node in self._path[1:] for k in node.keys
-        )
-
     def discard(self, lease: Lease[C]) -> None:
         """An error left the caches in an unknown state: drop the live state."""
         if lease is not self._lease:
@@ -313,162 +276,14 @@ class PrefixCache(TrieEviction, Generic[C]):
         self._clear_live()
         self._enforce_budget()
 
-    # -- positioning --
-
-    def _position(
-        self, path: list[Node], matched: int, *, use_disk: bool = True
-    ) -> tuple[int, int, bool]:
-        """Bring the live caches to the deepest reachable prefix of the matched `path`;
-        return (it, match end, whether a restore failed)."""
-        branch = matched
-        while True:
-            held = self._live_common(path, matched)
-            target, plans = self._plan(path, matched, held, use_disk)
-            inner = next((j for j, n in enumerate(path) if n.start < target < n.end), None)
-            if inner is not None:
-                upper = self._trie.split(path[inner], target)
-                if path[inner] in self._path:
-                    self._path.insert(self._path.index(path[inner]), upper)
-                path, matched = [*path[:inner], upper], target
-            elif self._read_planned(path, plans):
-                break
-        live = [n for n in path if n.end <= target]
-        kept = {id(n) for n in live}
-        self._page_out([n for n in self._path if id(n) not in kept])
-        if not apply_plans(self._caches, path, plans, target):
-            log.warning("prefix cache: restore failed; starting clean")
-            self._counts["restore_failures"] += 1
-            self._clear_live()
-            return 0, branch, True
-        self._path = live
-        for node in live:
-            node.last_used = self._tick
-        if target > 0 and live[-1].children:
-            self._fill(live[-1])  # a branch point: give caches that cannot rewind a restore point
-        mx.eval([a for c in self._caches for a in c.state])
-        self._enforce_budget()
-        return target, branch, False
-
-    def _plan(
-        self, path: list[Node], matched: int, live: int, use_disk: bool
-    ) -> tuple[int, list[Plan]]:
-        """The deepest offset every layer reaches, and each layer's steps. (A pipeline
-        rank of a distributed group holds some layers only: the ranks agree on the
-        offset, runtime/distributed/replica.py.)"""
-        return plan_restore(self._caches, path, matched, live, use_disk)
-
-    def _live_common(self, path: list[Node], matched: int) -> int:
-        """How many of the matched tokens the live caches already hold."""
-        k = 0
-        while k < len(path) and k < len(self._path) and path[k] is self._path[k]:
-            k += 1
-        if k < len(path) and k < len(self._path):
-            return min(matched, path[k - 1].end)  # the paths part at a node boundary
-        return min(matched, self._path[-1].end)
-
-    def _read_planned(self, path: list[Node], plans: list[Plan]) -> bool:
-        """Read the disk snapshots the plans use into memory; False when a file was bad
-        (it is gone from the trie now: plan again)."""
-        wanted = deferred_steps(path, plans)
-        if not wanted or self._disk is None or self._disk.load(self._trie, wanted):
-            return True
-        self._disk.sweep(self._trie)
-        return False
-
-    def _page_out(self, leaving: list[Node]) -> None:
-        """Snapshot what the live caches hold for nodes about to lose live backing.
-
-        `leaving` is the tail of the live path; its last node ends at the live offset. One
-        snapshot per layer is taken from the first node lacking one and split at each node
-        end (caches that cannot split give only the last node its part).
-        """
-        if not leaving:
-            return
-        for i, cache in enumerate(self._caches):
-            first = next((j for j, n in enumerate(leaving) if n.snapshot(i) is None), None)
-            if first is None:
-                continue
-            rest = cache.snapshot(leaving[first].start)
-            for node in leaving[first:]:
-                if rest is None:
-                    break
-                part: Snapshot | None
-                if node is leaving[-1]:
-                    part, rest = rest, None
-                else:
-                    part, rest = cache.split(rest, node.end)
-                if part is None:
-                    continue
-                if node.snapshot(i) is None and part.end == node.end:
-                    self._trie.set_snapshot(node, i, part)
-                    self._counts["page_outs"] += 1
-                else:
-                    part.close()
-            if rest is not None:
-                rest.close()
-
-    def _fill(self, node: Node) -> None:
-        """Snapshot, at the live offset `node.end`, the layers that cannot rewind to it later."""
-        for i, cache in enumerate(self._caches):
-            if cache.rewindable or node.snapshot(i) is not None:
-                continue
-            # passed on the way (`_kept`): the state the chunk kept there
-            at = {} if cache.offset == node.end else {"at": node.end}
-            snap = cache.snapshot(node.start, **at)
-            if snap is not None:
-                self._trie.set_snapshot(node, i, snap)
-
-    def _snapshot_points(
-        self, length: int, reused: int, branch: int, boundaries: Sequence[int] = ()
-    ) -> tuple[int, ...]:
-        if self._all_rewindable():
-            return ()  # live state rewinds anywhere; paging out covers the rest
-        step = self.snapshot_interval
-        points = {branch, length - self.tail_keep, *boundaries[-MAX_BOUNDARIES:]}
-        points.update(range((reused // step + 1) * step, length, step))
-        return tuple(sorted(p for p in points if reused < p < length))
-
-    def _pinned(self, leaf: Node) -> bool:
-        """Whether a snapshot pins `leaf`'s end, so that the trie adds a node after it
-        instead of growing it (a pipeline rank answers for the whole group's layers)."""
-        return leaf.has_snapshots()
-
-    def _all_rewindable(self) -> bool:
-        """Whether every layer's live state rewinds anywhere (then prefill never pauses
-        for snapshots; a pipeline rank answers for the whole group's layers)."""
-        return all(c.rewindable for c in self._caches)
-
-    # -- recording, clearing --
-
-    def _record(self, lease: Lease[C], keys: tuple[Key, ...]) -> bool:
-        offsets = {c.offset for c in self._caches}
-        if len(offsets) != 1:
-            return False
-        held = offsets.pop()
-        if held > len(keys):
-            # the caches hold tokens the caller did not name: drop them if possible
-            if not all(c.restore(None, len(keys)) for c in self._caches):
-                return False
-            held = len(keys)
-        frontier = self._path[-1]
-        shared = min(held, len(lease.tokens))
-        if held < frontier.end or keys[:shared] != lease.tokens[:shared]:
-            return False
-        self._path += self._trie.advance(
-            frontier, keys[frontier.end : held], self._tick, self._pinned
-        )
-        for node in self._path:
-            node.last_used = self._tick
-        return True
-
-    def _clear_live(self) -> None:
-        for cache in self._caches:
-            cache.free()
-        self._path = [self._trie.root]
-
     def _require(self, lease: Lease[C]) -> None:
         if lease is not self._lease:
             raise ValueError("this lease is not the open one")
+
+    def _disk_ready(self) -> None:
+        """Before a request reads the trie: prune what lost its disk snapshots."""
+        if self._disk.ready():
+            self._prune({id(n) for n in self._path})
 
     def close(self) -> None:
         """Drop every cached state, live and paged out (the server is stopping: MLX
@@ -476,10 +291,11 @@ class PrefixCache(TrieEviction, Generic[C]):
         write the live path and everything in memory first; a later request reopens it."""
         if self._lease is not None:
             self.discard(self._lease)
-        if self._disk is not None and not self._disk.closed:
+        if self._disk.open:
             self.reclaim()  # the live path goes to disk too
             try:
-                self._persist()
+                self._page_out(self._path[1:])
+                self._disk.save()
             except Exception:
                 log.exception("prefix cache: writing the cache to disk failed")
             self._disk.close()
@@ -487,29 +303,6 @@ class PrefixCache(TrieEviction, Generic[C]):
         for node in list(self._trie.walk()):
             self._trie.set_snapshots(node, [])  # closes them, keeping the byte count right
         self._clear_live()
-
-    def _persist(self) -> None:
-        """Page the live path out, then move every in-memory snapshot to disk, least
-        recently used first (so the disk's LRU bound drops those first)."""
-        assert self._disk is not None
-        self._page_out(self._path[1:])
-        held = [n for n in self._trie.walk() if n.snapshot_bytes()]
-        for node in sorted(held, key=lambda n: (n.last_used, n.end)):
-            self._disk.spill(self._trie, node, block=True)
-        self._disk.flush()
-
-    def _disk_ready(self) -> None:
-        """Before a request reads the trie: reopen a disk tier `close` gave up (the
-        engine restarted after a failure) and drop snapshots whose files are gone."""
-        if self._disk is None:
-            return
-        if self._disk.closed:
-            if not self._disk.reopen():
-                self._disk = None
-                return
-            self._disk.attach(self._trie)
-        if self._disk.sweep(self._trie):
-            self._prune({id(n) for n in self._path})
 
     # -- inspection --
 
@@ -522,24 +315,18 @@ class PrefixCache(TrieEviction, Generic[C]):
         return [s for n in self._trie.walk() for s in n.snapshots if s is not None]
 
     def stats(self) -> dict[str, int]:
-        nodes = list(self._trie.walk())
-        held = [s for n in nodes for s in n.snapshots if s is not None]
-        on_disk = sum(isinstance(s, DeferredSnapshot) for s in held)
-        return {
-            **{k: self._counts[k] for k in _COUNTS},
-            "nodes": len(nodes) - 1,
-            "snapshots": len(held) - on_disk,
-            "paged_bytes": self._trie.paged_bytes,
-            "budget_bytes": self.budget_bytes,
-            "limit_bytes": self.limit_bytes,
-            "live_tokens": self._path[-1].end,
-            "pins": len(self._pins),
-            **({} if self._disk is None else {"disk_snapshots": on_disk, **self._disk.stats()}),
-        }
+        return self._stats.summary(
+            self._trie,
+            live_tokens=self._path[-1].end,
+            pins=len(self._pins),
+            budget_bytes=self.budget_bytes,
+            limit_bytes=self.limit_bytes,
+            disk=self._disk.stats(),
+        )
 
     def recent(self) -> list[CacheReport]:
         """The last requests' reports, oldest first (the newest is the last)."""
-        return list(self._reports)
+        return self._stats.recent()
 
     def pins(self) -> list[dict[str, object]]:
         """The live pins, soonest to expire first, with how much of each is in the trie."""
@@ -551,29 +338,15 @@ class PrefixCache(TrieEviction, Generic[C]):
 
     def verify(self) -> None:
         """Raise AssertionError if an invariant is broken (for tests and debugging)."""
-        self._trie.verify()
-        if self._path[0] is not self._trie.root:
-            raise AssertionError("the live path does not start at the root")
-        for upper, lower in zip(self._path, self._path[1:], strict=False):
-            if lower.parent is not upper:
-                raise AssertionError(f"live path broken between {upper} and {lower}")
-        live = self._path[-1].end
-        offsets = {c.offset for c in self._caches}
-        if self._loan is not None:
-            offsets = {live}  # lent: the live caches are empty until taken back
-        if self._lease is None and offsets and offsets != {live}:
-            raise AssertionError(f"live caches at {offsets}, live path ends at {live}")
-        if any(o < live for o in offsets):
-            raise AssertionError(f"live caches at {offsets} behind the live path end {live}")
-        if self._trie.paged_bytes > self.limit_bytes:
-            raise AssertionError(f"{self._trie.paged_bytes} bytes held, limit {self.limit_bytes}")
-        if self._disk is not None:
-            self._disk.verify()
-
-
-# restore points at message starts, the latest first: an agent edits the end of its
-# conversation (the last user turn's reminders), rarely its first messages
-MAX_BOUNDARIES = 16
+        verify_live(
+            self._trie,
+            self._path,
+            self._caches,
+            lent=self._loan is not None,
+            leased=self._lease is not None,
+            limit_bytes=self.limit_bytes,
+        )
+        self._disk.verify()
 
 
 def _kept(cache: object, offset: int) -> bool:
@@ -582,10 +355,6 @@ def _kept(cache: object, offset: int) -> bool:
     if getattr(cache, "rewindable", False):
         return getattr(cache, "offset", -1) > offset
     return offset in getattr(cache, "captured", {})
-
-
-_COUNTS: tuple[str, ...] = ("requests", "hits", "prompt_tokens", "reused_tokens", "page_outs")
-_COUNTS += ("evictions", "pinned_evictions", "restore_failures", "discards", "adopted")
 
 
 __all__ = ["CacheReport", "ImageKey", "Key", "Lease", "PrefixCache", "PrefixPin", "image_keys"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from runtime.prefix.disk.tier import DiskTier
+from runtime.prefix.persist import Persistence
 from runtime.prefix.pins import Pins
 from runtime.prefix.report import EvictionMemory
 from runtime.prefix.trie import Node, Trie
@@ -21,13 +21,13 @@ log = logging.getLogger("runtime.prefix.cache")
 
 
 class TrieEviction:
-    """The eviction half of `PrefixCache`, over the state it declares here."""
+    """The eviction part of `PrefixCache`, over the state it declares here."""
 
     budget_bytes: int
     limit_bytes: int
     _trie: Trie
     _path: list[Node]
-    _disk: DiskTier | None
+    _disk: Persistence
     _pins: Pins
     _counts: Counter[str]
     _evicted: EvictionMemory
@@ -49,8 +49,7 @@ class TrieEviction:
     def _enforce_budget(self) -> None:
         active = {id(n) for n in self._path}
         self._evict_over_budget(active)
-        if self._disk is not None:
-            self._disk.sweep(self._trie)  # files the disk tier deleted to stay in its bound
+        self._disk.sweep()  # files the disk tier deleted to stay in its bound
         self._prune(active)
 
     def _evict_over_budget(self, active: set[int]) -> None:
@@ -96,8 +95,8 @@ class TrieEviction:
         return best
 
     def _evict(self, node: Node, active: set[int]) -> None:
-        if self._disk is not None:
-            self._disk.spill(self._trie, node)  # dropped only when the writer is swamped
+        if self._disk.active:
+            self._disk.spill(node)  # dropped only when the writer is swamped
             if node.has_snapshots():
                 return
             node.evicted = True

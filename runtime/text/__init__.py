@@ -1,0 +1,37 @@
+"""Text in and out of the model: the tokenizer, streaming detokenizing, stop strings,
+sampling and constrained decoding. No file format is known here beyond a HF-style
+tokenizer folder (a GGUF's tokenizer is built by runtime.load.gguf)."""
+
+from __future__ import annotations
+
+from runtime.text.constraints import (
+    ConstraintError,
+    GrammarVocabulary,
+    TokenMatcher,
+    check,
+    json_schema_constraint,
+    json_schema_rule,
+    lark_constraint,
+)
+from runtime.text.detokenizer import DetokenizerTable, StreamingDetokenizer
+from runtime.text.sampling import Sampler, SampleResult
+from runtime.text.stops import StopMatcher
+from runtime.text.tokenizer import Tokenizer, read_chat_template, token_ids
+
+__all__ = [
+    "ConstraintError",
+    "DetokenizerTable",
+    "GrammarVocabulary",
+    "SampleResult",
+    "Sampler",
+    "StopMatcher",
+    "StreamingDetokenizer",
+    "TokenMatcher",
+    "Tokenizer",
+    "check",
+    "json_schema_constraint",
+    "json_schema_rule",
+    "lark_constraint",
+    "read_chat_template",
+    "token_ids",
+]

@@ -10,12 +10,9 @@ import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
-
-if TYPE_CHECKING:
-    from runtime.load.gguf.reader import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +37,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _ids(value: Any) -> list[int]:
-    """An eos_token_id field: an int, a list of ints, or absent."""
+def token_ids(value: Any) -> list[int]:
+    """A token-id field of a model's JSON config (eos_token_id in config.json or
+    generation_config.json): an int, a list of ints, or absent."""
     if isinstance(value, bool):
         return []
     if isinstance(value, int):
@@ -52,7 +50,10 @@ def _ids(value: Any) -> list[int]:
 
 
 class Tokenizer:
-    """Encode/decode with a model's special-token conventions (see module docstring)."""
+    """Encode/decode with a model's special-token conventions (see module docstring).
+
+    Built from a HF-style folder here (``from_folder``), from a GGUF by the loader
+    (runtime.load.gguf.tokenizer), or directly from a ``tokenizers.Tokenizer``."""
 
     def __init__(
         self,
@@ -101,26 +102,7 @@ class Tokenizer:
             bos_token=bos,
             eos_token=eos,
             add_bos=bool(add_bos),
-            extra_eos_ids=_ids(generation.get("eos_token_id")),
-        )
-
-    @classmethod
-    def from_gguf(cls, source: GGUFFile | Mapping[str, Any] | str | Path) -> Tokenizer:
-        """From a GGUF: a path, a :class:`runtime.load.gguf.reader.GGUFFile` (parse it once and share
-        it: the metadata is large), or its metadata mapping."""
-        from runtime.load.gguf.reader import GGUFFile
-        from runtime.load.gguf.tokenizer import read_gguf_tokenizer
-
-        if isinstance(source, (str, Path)):
-            source = GGUFFile(source)
-        meta = source.metadata if isinstance(source, GGUFFile) else source
-        info = read_gguf_tokenizer(meta)
-        return cls(
-            info.tokenizer,
-            bos_token=info.bos_token,
-            eos_token=info.eos_token,
-            add_bos=info.add_bos,
-            extra_eos_ids=info.eos_token_ids,
+            extra_eos_ids=token_ids(generation.get("eos_token_id")),
         )
 
     # -- the API ----------------------------------------------------------------------

@@ -33,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 import mlx.core as mx
 import numpy as np
 
-from runtime.prefix.trie import Key, image_keys
+from runtime.prefix import Key, image_keys
 from runtime.types import PromptImage
 from runtime.vision.preprocess import (
     GridResize,

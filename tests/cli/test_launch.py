@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from gateway.cli import common
 from gateway.cli.launch import binaries, files, flow, server
 from gateway.cli.launch.base import Asker, LaunchError, Target
 from gateway.cli.launch.openclaw import OpenClaw
@@ -818,6 +819,6 @@ def test_a_path_is_served_under_its_whole_folder_name_or_its_file_stem(tmp_path:
     folder.mkdir()
     gguf = tmp_path / "Qwen3.5-0.8B-Q4_K_M.gguf"
     gguf.write_bytes(b"GGUF")
-    assert server.requested_id(str(folder)) == "Qwen3.5-0.8B-4bit"
-    assert server.requested_id(str(gguf)) == "Qwen3.5-0.8B-Q4_K_M"
-    assert server.requested_id("qwen2.5-coder-0.5b") == "qwen2.5-coder-0.5b"  # an alias
+    assert common.requested_id(str(folder)) == "Qwen3.5-0.8B-4bit"
+    assert common.requested_id(str(gguf)) == "Qwen3.5-0.8B-Q4_K_M"
+    assert common.requested_id("qwen2.5-coder-0.5b") == "qwen2.5-coder-0.5b"  # an alias

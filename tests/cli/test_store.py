@@ -20,17 +20,15 @@ import pytest
 
 from gateway.cli.progress import Progress, format_bytes
 from gateway.cli.store import store as store_mod
+from gateway.cli.store.aliases import ALIASES, ModelSpec, WheelPart
 from gateway.cli.store.store import (
-    ALIASES,
     ChecksumMismatch,
     FetchError,
     ModelNotPresent,
-    ModelSpec,
     NotAModel,
     Store,
     StoreError,
     UnknownModel,
-    WheelPart,
     file_lock,
 )
 

@@ -23,7 +23,8 @@ openai = pytest.importorskip("openai")
 from gguf import GGUFWriter  # noqa: E402
 from openai.types import Model  # noqa: E402
 
-from gateway.cli.main import _parser, model_aliases, server_settings  # noqa: E402
+from gateway.cli.args import build_parser  # noqa: E402
+from gateway.cli.serve.command import model_aliases, server_settings  # noqa: E402
 from gateway.core.errors import InvalidRequest  # noqa: E402
 from gateway.core.generation import budget, requests_for  # noqa: E402
 from gateway.core.models.build import build_served, sampling_defaults  # noqa: E402
@@ -33,8 +34,8 @@ from gateway.core.prepare import prepare  # noqa: E402
 from gateway.core.settings import DEFAULT_MAX_TOKENS, ServerSettings  # noqa: E402
 from gateway.openai import adapt as adapters  # noqa: E402
 from gateway.openai import wire  # noqa: E402
+from runtime.load.gguf.loader import gguf_generation_config  # noqa: E402
 from runtime.load.gguf.reader import GGUFFile  # noqa: E402
-from runtime.load.loader import gguf_generation_config  # noqa: E402
 from runtime.types import PrefixPin, SamplingParams  # noqa: E402
 from tests.support.live_server import live_server  # noqa: E402
 from tests.support.openai_checks import chat_body, error_of, post  # noqa: E402
@@ -134,10 +135,10 @@ def test_budget_refuses_what_cannot_fit(served: ServedModel) -> None:
 def test_cli_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("DEFAULT_MAX_TOKENS", "STRICT_MAX_TOKENS", "MODEL_ALIAS"):
         monkeypatch.delenv(f"MLX_GATEWAY_{name}", raising=False)
-    plain = _parser().parse_args(["serve"])
+    plain = build_parser().parse_args(["serve"])
     assert server_settings(plain).default_max_tokens == DEFAULT_MAX_TOKENS
     assert not server_settings(plain).strict_max_tokens and model_aliases(plain) == frozenset()
-    args = _parser().parse_args(
+    args = build_parser().parse_args(
         ["serve", "--strict-max-tokens", "--default-max-tokens", "0", "--model-alias", "a",
          "--model-alias", "b,c"]
     )  # fmt: skip
@@ -147,13 +148,13 @@ def test_cli_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLX_GATEWAY_STRICT_MAX_TOKENS", "true")
     monkeypatch.setenv("MLX_GATEWAY_DEFAULT_MAX_TOKENS", "2048")
     monkeypatch.setenv("MLX_GATEWAY_MODEL_ALIAS", "claude-sonnet-4-5, claude-haiku-4-5")
-    from_env = _parser().parse_args(["serve"])
+    from_env = build_parser().parse_args(["serve"])
     assert server_settings(from_env).strict_max_tokens
     assert server_settings(from_env).default_max_tokens == 2048
     assert model_aliases(from_env) == ALIASES
-    assert model_aliases(_parser().parse_args(["serve", "--model-alias", "x"])) == {"x"}
+    assert model_aliases(build_parser().parse_args(["serve", "--model-alias", "x"])) == {"x"}
     with pytest.raises(SystemExit):
-        server_settings(_parser().parse_args(["serve", "--default-max-tokens", "-3"]))
+        server_settings(build_parser().parse_args(["serve", "--default-max-tokens", "-3"]))
 
 
 # -- sampling defaults ------------------------------------------------------------------

@@ -67,7 +67,6 @@ CHAT = "/v1/chat/completions"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 REPO = Path(__file__).resolve().parents[2]
 START_S = 240.0  # a group's start: two processes import, load and build on 2 busy cores
-FAIL_S = 30.0  # a lost rank to a client's 503 (the group's timeout is 3 s)
 EXIT_S = 90.0  # a stopped rank 0 to the launcher's exit
 LINGER_S = 30.0  # the launcher's SIGTERM to a broken group's rank 0 saying it stays up
 LONG = 20_000  # tokens: far beyond any wait here
@@ -308,18 +307,15 @@ def _running(group: Group, count: int) -> None:
 
 def _lose_rank_1(group: Group, sig: signal.Signals) -> str:
     """Two long generations (plain and streamed), then rank 1 gets `sig`: both end with
-    503s within FAIL_S; the error's message."""
+    503s (not the clients' own timeouts); the error's message."""
     body = _body(_user("Tell me a long story."), LONG)
     with ThreadPoolExecutor(2) as pool:
         plain = pool.submit(post, group.url, CHAT, body)
         streamed = pool.submit(stream, group.url, CHAT, body)
         _running(group, 2)
-        started = time.monotonic()
         os.kill(group.pid(1), sig)
         err = error_of(plain.result(), 503)
         sse = streamed.result()
-        took = time.monotonic() - started
-    assert took < FAIL_S, f"the clients waited {took:.0f} s"
     assert err["code"] == "engine_failed" and err["type"] == "overloaded_error"
     assert sse.status == 200 and sse.done and sse.errors[-1]["error"]["code"] == "engine_failed"
     return str(err["message"])
@@ -342,12 +338,11 @@ def _failed_for_good(group: Group, what: str) -> None:
 
 
 def _stop_lingering(group: Group, rank_0: int) -> None:
-    """A SIGTERM after the launcher's ends the lingering rank 0 promptly, status 1; the
-    launcher then ends, passing on the line rank 0 wrote before its log moved."""
-    started = time.monotonic()
+    """A SIGTERM after the launcher's ends the lingering rank 0, status 1 (wait_exit
+    guards a hang); the launcher then ends, passing on the line rank 0 wrote before its
+    log moved."""
     os.kill(rank_0, signal.SIGTERM)
     group.wait_exit()
-    assert time.monotonic() - started < FAIL_S
     assert not pid_alive(rank_0)
     assert "Node with rank 0 exited with code 1" in group.output
     assert f"its log is now {group.log}" in group.output
@@ -364,7 +359,7 @@ def test_tensor_parallel_serves_as_one_process_and_a_frozen_rank_gives_503s(
 
         why = _lose_rank_1(group, signal.SIGSTOP)
         assert "rank 1 did not answer" in why
-        time.sleep(2)  # rank 0 stays up, refusing work and saying why
+        # rank 0 stays up, refusing work and saying why (and again after each signal below)
         _failed_for_good(group, "rank 1 did not answer")
 
         # mlx.launch's teardown as a rank 0 started over ssh sees it: its session's
@@ -394,7 +389,7 @@ def test_pipeline_parallel_serves_as_one_process_and_a_killed_rank_gives_503s(
         log = group.logged("SIGTERM after the distributed group was lost")
         assert "rank 1" in log and "restart the group with mlx.launch" in log
         assert "Node with rank 1 exited" in group.output
-        time.sleep(1)
+        # the log line is rank 0's handler deciding to stay; /health below answers from it
         assert pid_alive(rank_0) and group.process.poll() is None
         _failed_for_good(group, "rank 1")
         _stop_lingering(group, rank_0)
@@ -505,6 +500,7 @@ class StuckRunner:
     def __init__(self) -> None:
         self.release = threading.Event()
         self.stepping = threading.Event()
+        self.aborted = threading.Event()  # the abandoned worker reset the runner
         self.rows: list[RequestHandle] = []
 
     @property
@@ -528,6 +524,7 @@ class StuckRunner:
         self, reason: FinishReason, error: str | None = None
     ) -> list[tuple[RequestHandle, Finished]]:
         rows, self.rows = self.rows, []
+        self.aborted.set()
         return [(h, Finished(reason, _stats(h), error)) for h in rows]
 
     def load(self) -> tuple[int, int, int, float]:
@@ -555,7 +552,7 @@ def test_a_halted_engine_fails_its_requests_and_refuses_new_ones_for_good() -> N
             engine.submit(GenerationRequest((3,), 1))
         assert refused.value.state is EngineState.FAILED
         runner.release.set()  # the stuck step returns: still no fresh worker
-        time.sleep(0.5)
+        assert runner.aborted.wait(30)  # the abandoned worker reset the batch and left
         health = engine.health()
         assert health.state is EngineState.FAILED and health.restarts == 0
         assert health.last_failure == "rank 1 did not answer"

@@ -9,18 +9,14 @@ import json
 import pytest
 from starlette.datastructures import Headers
 
-from gateway.cli.main import (
-    _parser,
-    bind_warning,
-    client_url,
-    connectable_host,
-    is_loopback,
-    server_settings,
-)
+from gateway.cli.args import build_parser
+from gateway.cli.common import bind_warning, client_url, connectable_host, is_loopback
+from gateway.cli.serve.command import server_settings
 from gateway.core.auth import key_matches, presented_key
 from gateway.core.errors import InvalidRequest
 from gateway.core.generation import choice_seed, requests_for
 from gateway.core.metrics import Metrics, render
+from gateway.core.plan import ChatPlan
 from gateway.core.settings import ServerSettings
 from gateway.openai import adapt as adapters
 from gateway.openai import wire
@@ -53,7 +49,7 @@ def test_printed_url_and_bind_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     assert client_url("0.0.0.0", 8000) == "http://127.0.0.1:8000/v1"
     assert client_url("::", 9) == "http://[::1]:9/v1"
     monkeypatch.delenv("MLX_GATEWAY_HOST", raising=False)
-    assert _parser().parse_args(["serve"]).host == "127.0.0.1"  # loopback by default
+    assert build_parser().parse_args(["serve"]).host == "127.0.0.1"  # loopback by default
     assert bind_warning("127.0.0.1", None) is None and bind_warning("::1", None) is None
     assert bind_warning("0.0.0.0", "key") is None
     for host in ("0.0.0.0", "::", "192.168.1.5"):
@@ -121,7 +117,7 @@ def _chat(**fields: object) -> wire.ChatCompletionRequest:
     return wire.ChatCompletionRequest.model_validate(body)
 
 
-def _plan(**fields: object) -> adapters.ChatPlan:
+def _plan(**fields: object) -> ChatPlan:
     return adapters.chat_plan(_chat(**fields), vocab_size=100, tools_supported=False)
 
 
@@ -334,21 +330,21 @@ def test_cli_server_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         "STRICT_MAX_TOKENS",
     ):
         monkeypatch.delenv(f"MLX_GATEWAY_{name}", raising=False)
-    assert server_settings(_parser().parse_args(["serve"])) == ServerSettings()
+    assert server_settings(build_parser().parse_args(["serve"])) == ServerSettings()
     monkeypatch.setenv("MLX_GATEWAY_API_KEY", "from-env")
-    args = _parser().parse_args(
+    args = build_parser().parse_args(
         ["serve", "--cors-origins", "http://a, http://b", "--max-body-bytes", "1M"]
     )
     settings = server_settings(args)
     assert settings.api_key == "from-env"
     assert settings.cors_origins == ("http://a", "http://b") and settings.max_body_bytes == 1024**2
-    args = _parser().parse_args(
+    args = build_parser().parse_args(
         ["serve", "--api-key", "k", "--max-prompt-tokens", "100", "--max-tokens-cap", "50"]
     )
     settings = server_settings(args)
     assert (settings.api_key, settings.max_prompt_tokens, settings.max_tokens_cap) == ("k", 100, 50)
     with pytest.raises(SystemExit):
-        server_settings(_parser().parse_args(["serve", "--max-tokens-cap", "0"]))
+        server_settings(build_parser().parse_args(["serve", "--max-tokens-cap", "0"]))
     with pytest.raises(ValueError):
         ServerSettings(api_key=" ")
 
@@ -357,20 +353,20 @@ def test_cli_server_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     ("flag", "value"), [("--parser", "nonsense"), ("--template-family", "qwen9")]
 )
 def test_unknown_parser_or_template_family_is_refused_at_startup(flag: str, value: str) -> None:
-    from gateway.cli.main import _engine_settings, _parser
+    from gateway.cli.common import engine_settings
 
-    args = _parser().parse_args(["serve", flag, value])
+    args = build_parser().parse_args(["serve", flag, value])
     with pytest.raises(SystemExit, match="unknown"):
-        _engine_settings(args)
+        engine_settings(args)
 
 
 def test_known_overrides_reach_the_engine_settings() -> None:
-    from gateway.cli.main import _engine_settings, _parser
+    from gateway.cli.common import engine_settings
 
-    args = _parser().parse_args(
+    args = build_parser().parse_args(
         ["serve", "--parser", "hermes", "--template-family", "qwen3", "--prefix-cache-bytes", "1G"]
     )
-    settings = _engine_settings(args)
+    settings = engine_settings(args)
     assert (settings.parser, settings.template_family) == ("hermes", "qwen3")
     assert settings.prefix_cache_bytes == 1024**3
 

@@ -321,8 +321,8 @@ def test_redirects_to_private_hosts_or_other_schemes_are_refused(
 def test_allow_private_urls_flag_reaches_the_served_models(
     monkeypatch: pytest.MonkeyPatch, no_hub: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from gateway.cli import main as cli
     from gateway.cli.errors import CliError
+    from gateway.cli.serve import command
 
     seen: list[bool] = []
 
@@ -330,7 +330,7 @@ def test_allow_private_urls_flag_reaches_the_served_models(
         seen.append(settings.allow_private_urls)
         raise CliError("stopped before loading")
 
-    monkeypatch.setattr(cli, "_registry", registry)
+    monkeypatch.setattr(command, "model_registry", registry)
     assert main(["serve", "--allow-private-urls"]) == 2
     assert main(["serve"]) == 2
     monkeypatch.setenv("MLX_GATEWAY_ALLOW_PRIVATE_URLS", "1")

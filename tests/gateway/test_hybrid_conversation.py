@@ -86,7 +86,7 @@ def test_openai_turns_reuse_every_earlier_turn(url: str) -> None:
             model=MODEL_ID,
             messages=messages,
             max_tokens=6,
-            temperature=0,  # type: ignore[arg-type]
+            temperature=0,
         )
         usage = reply.usage
         assert usage is not None and usage.prompt_tokens_details is not None

@@ -25,8 +25,9 @@ anthropic = pytest.importorskip("anthropic")
 from openai.types import Model  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from gateway.cli import main as cli  # noqa: E402
+from gateway.cli.args import build_parser  # noqa: E402
 from gateway.cli.errors import CliError  # noqa: E402
+from gateway.cli.serve.command import model_registry  # noqa: E402
 from gateway.cli.serve.models import ModelConfig, from_flags, read_config  # noqa: E402
 from gateway.core.models.build import EngineSettings, build_served  # noqa: E402
 from gateway.core.models.memory import (  # noqa: E402
@@ -36,9 +37,13 @@ from gateway.core.models.memory import (  # noqa: E402
     served_bytes,
     weight_file_bytes,
 )
-from gateway.core.models.registry import ModelRegistry, ModelSpec, ModelState  # noqa: E402
+from gateway.core.models.registry import ModelRegistry  # noqa: E402
 from gateway.core.models.served import ServedModel  # noqa: E402
+from gateway.core.models.spec import ModelSpec  # noqa: E402
+from gateway.core.models.status import ModelState  # noqa: E402
 from gateway.core.settings import ServerSettings  # noqa: E402
+from runtime.engine.engine import Engine, RequestHandle  # noqa: E402
+from runtime.types import Finished, FinishReason, GenerationStats, TextDelta  # noqa: E402
 from tests.support.agent_model import build_tiny_qwen3  # noqa: E402
 from tests.support.anthropic_checks import (  # noqa: E402
     Events,
@@ -69,14 +74,33 @@ def folders(qwen3_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     }
 
 
+class HeldRunner:
+    """Stands in for a model's generation: writes nothing until `gate` is set, then one
+    piece per token (a stream that stays open exactly as long as the test wants)."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate = gate
+
+    def run(self, handle: RequestHandle) -> Finished:
+        prompt = len(handle.request.prompt_tokens)
+        assert self.gate.wait(WAIT_S)
+        for n in range(handle.request.max_tokens):
+            if handle.cancelled:
+                return Finished(FinishReason.CANCELLED, GenerationStats(prompt, n))
+            handle._emit(TextDelta(f"t{n} ", (n,)))
+        return Finished(FinishReason.LENGTH, GenerationStats(prompt, handle.request.max_tokens))
+
+
 class Loads:
     """Counts each model's loads; a model listed in `slow` takes that long to load,
-    and one in `gates` waits for its event first."""
+    one in `gates` waits for its event first, and one in `held` generates with a
+    HeldRunner on that event."""
 
     def __init__(self) -> None:
         self.count: dict[str, int] = {}
         self.slow: dict[str, float] = {}
         self.gates: dict[str, threading.Event] = {}
+        self.held: dict[str, threading.Event] = {}
         self.fail: set[str] = set()
 
     def spec(self, folder: Path, model_id: str, aliases: frozenset[str] = frozenset()) -> ModelSpec:
@@ -88,7 +112,11 @@ class Loads:
             if model_id in self.fail:
                 raise RuntimeError("the weights are unreadable")
             settings = EngineSettings(cache_memory_bytes=CACHE_BYTES)
-            return build_served(folder, model_id=model_id, aliases=aliases, settings=settings)
+            served = build_served(folder, model_id=model_id, aliases=aliases, settings=settings)
+            if model_id in self.held:
+                engine = Engine(HeldRunner(self.held[model_id]))
+                return dataclasses.replace(served, engine=engine, runner=None)
+            return served
 
         return ModelSpec(
             model_id,
@@ -348,18 +376,25 @@ def test_keep_alive_unloads_idle_models_and_the_next_request_reloads(
 
 
 def test_a_model_in_use_is_not_unloaded(folders: dict[str, Path]) -> None:
-    registry = _registry(folders, Loads(), keep_alive=0.05)
+    loads = Loads()
+    gate = loads.held[A] = threading.Event()  # A's stream writes once the test says
+    registry = _registry(folders, loads, keep_alive=0.05)
     with live_server(registry, FAST) as url:
         body = {**_chat(A), "max_tokens": 400, "stream": True}
         with httpx.stream("POST", f"{url}{CHAT}", json=body, timeout=WAIT_S) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
-            started, unloads = time.monotonic(), registry.status()[0].unloads
-            rest = [line for line in lines if line.startswith("data:")]
-        assert time.monotonic() - started > 0.05  # the keep-alive passed while it ran
+            assert r.status_code == 200  # the stream began: it holds A's lease
+            _wait_states(url, {A: "loaded"})  # (it may have reloaded A, idle since start)
+            unloads = registry.status()[0].unloads
+            # B, used after A's lease began, goes idle and is unloaded: A's keep-alive
+            # has passed too, while its stream ran
+            assert chat_body(post(url, CHAT, _chat(B))).model == B
+            _wait_states(url, {B: "unloaded"})
+            assert _states(url)[A] == "loaded" and registry.status()[0].unloads == unloads
+            gate.set()
+            rest = [line for line in r.iter_lines() if line.startswith("data:")]
+        # ran to its end (its keep-alive starts only now)
         assert rest[-1] == "data: [DONE]" and len(rest) > 100
         assert not any('"error"' in line for line in rest)
-        assert registry.status()[0].unloads == unloads
 
 
 def test_a_lease_holds_its_model_and_its_release_starts_the_keep_alive(
@@ -368,17 +403,24 @@ def test_a_lease_holds_its_model_and_its_release_starts_the_keep_alive(
     loads = Loads()
     registry = _registry(folders, loads, keep_alive=0.1)
     asyncio.run(registry.open())
+
+    def wait_unloaded(index: int) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while registry.status()[index].state is not ModelState.UNLOADED:
+            assert time.monotonic() < deadline, "never unloaded"
+            time.sleep(0.02)
+
     try:
         lease = registry.lease(registry.default)
-        time.sleep(0.5)
+        # B, loaded after the lease began, goes idle and is unloaded: the default's
+        # keep-alive has passed too, and the lease kept it
+        registry.load(registry.find(B)).result(WAIT_S)
+        wait_unloaded(1)
         assert registry.loaded(registry.default) is not None
         lease.release()
         lease.release()  # twice is once
-        deadline = time.monotonic() + WAIT_S
-        while registry.status()[0].state is not ModelState.UNLOADED:
-            assert time.monotonic() < deadline, "never unloaded"
-            time.sleep(0.02)
-        assert [s.unloads for s in registry.status()] == [1, 0]
+        wait_unloaded(0)
+        assert [s.unloads for s in registry.status()] == [1, 1]
     finally:
         registry.close()
 
@@ -440,11 +482,11 @@ parser = "hermes"
 def test_a_toml_config_lists_the_models(folders: dict[str, Path], tmp_path: Path) -> None:
     path = tmp_path / "models.toml"
     path.write_text(CONFIG.format(a=folders[A], b=folders[B]))
-    args = cli._parser().parse_args(
+    args = build_parser().parse_args(
         ["serve", "--config", str(path), "--keep-alive", "7", "--memory-budget", "2G",
          "--model-alias", "extra"]
     )  # fmt: skip
-    registry = cli._registry(args, EngineSettings())
+    registry = model_registry(args, EngineSettings())
     coder, second = registry.specs
     assert coder.names == ("coder", "claude-haiku-4-5", "extra", "gpt-4o-mini")
     assert second.id == B and second.source == str(folders[B])
@@ -477,8 +519,8 @@ def test_a_toml_config_lists_the_models(folders: dict[str, Path], tmp_path: Path
 
 def test_one_model_gets_all_the_budget_leaves_for_its_caches(folders: dict[str, Path]) -> None:
     weights = weight_file_bytes(folders[A])
-    args = cli._parser().parse_args(["serve", "--model", str(folders[A]), "--memory-budget", "1G"])
-    (spec,) = cli._registry(args, EngineSettings()).specs
+    args = build_parser().parse_args(["serve", "--model", str(folders[A]), "--memory-budget", "1G"])
+    (spec,) = model_registry(args, EngineSettings()).specs
     assert spec.cache_bytes == 1024**3 - weights
     # a budget the weights alone fill still leaves the caches their floor
     assert cache_budget(weights, weights, 1) == MIN_CACHE_BYTES
@@ -529,7 +571,7 @@ def test_config_mistakes_are_one_line_each(tmp_path: Path, text: str, says: str)
 
 def test_command_line_mistakes(folders: dict[str, Path], tmp_path: Path) -> None:
     def registry(*argv: str) -> ModelRegistry:
-        return cli._registry(cli._parser().parse_args(["serve", *argv]), EngineSettings())
+        return model_registry(build_parser().parse_args(["serve", *argv]), EngineSettings())
 
     a, b = str(folders[A]), str(folders[B])
     assert [s.id for s in registry("--model", a, "--model", b).specs] == [A, B]

@@ -165,7 +165,7 @@ def test_openai_agents_tool_loop_completes(base_url: str) -> None:
     agents = pytest.importorskip("agents")
     calls: list[str] = []
 
-    @agents.function_tool
+    @agents.function_tool  # type: ignore[untyped-decorator]  # imported via importorskip: Any
     def get_weather(city: str) -> str:
         """Get the current weather for a city."""
         calls.append(city)

@@ -5,9 +5,10 @@ text never makes a parser raise."""
 from __future__ import annotations
 
 import json
-import time
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 import parsers
 from parsers._compose import coalesce
+from parsers._scan import Machine
 from parsers._schema import coerce_text, coerce_value
 from parsers.events import Content, Event, Reasoning, ToolCallArgs, ToolCallEnd, ToolCallStart
 from tests.support.parser_cases import CASES, DECLARED, TOOLS, Case
@@ -272,10 +274,10 @@ def test_coerce_value(value: Any, schema: dict[str, Any], want: Any) -> None:
     assert got == want and type(got) is type(want)
 
 
-def test_long_streams_stay_linear() -> None:
-    """Char-by-char feeding of long values: quadratic work would take minutes here."""
-    body = "x = 1  # <not a tag>\n" * 5000  # 105k characters
-    cases = [
+def _long_cases(lines: int) -> list[tuple[str, str]]:
+    """Long values and long runs of near misses, `lines` lines of them."""
+    body = "x = 1  # <not a tag>\n" * lines
+    return [
         (
             "qwen3-coder",
             f"<function=write_file>\n<parameter=path>\na\n</parameter>\n<parameter=content>\n{body}\n</parameter>\n</function>",
@@ -297,17 +299,60 @@ def test_long_streams_stay_linear() -> None:
             + json.dumps(body)
             + "}}\n```",
         ),
-        ("hermes", "{x} [y] `{` ```\n{\n```\n" * 5000),  # near misses, one after another
+        ("hermes", "{x} [y] `{` ```\n{\n```\n" * lines),  # near misses, one after another
         ("hermes", "```python\n" + body + "```"),
     ]
-    for name, text in cases:
-        start = time.perf_counter()
-        got = reconstruct(run(parsers.create(name, TOOLS), chunks(text, 1)))
-        assert time.perf_counter() - start < 30, name
-        assert (
-            got.calls == [("write_file", {"path": "a", "content": body})]
-            or "write_file" not in text
-        )
+
+
+@dataclass
+class Work:
+    """What a parser did, counted rather than timed: Python function calls made, and
+    characters the marker scanner looked at (the held tail plus the new text)."""
+
+    calls: int = 0
+    scanned: int = 0
+
+
+def _measure(name: str, text: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Work, Result]:
+    """Feeds `text` char by char, counting the work."""
+    work = Work()
+    scan = Machine._run
+
+    def counting_run(self: Machine, text: str, final: bool = False) -> None:
+        work.scanned += len(self._held) + len(text)
+        scan(self, text, final)
+
+    def count_calls(frame: FrameType, event: str, arg: object) -> None:
+        if event == "call":
+            work.calls += 1
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Machine, "_run", counting_run)
+        parser = parsers.create(name, TOOLS)
+        sys.setprofile(count_calls)
+        try:
+            events = run(parser, chunks(text, 1))
+        finally:
+            sys.setprofile(None)
+    return work, reconstruct(events)
+
+
+def test_long_streams_stay_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Char-by-char feeding of long values does work proportional to the text: twice
+    the text, about twice the function calls and scanned characters (quadratic work
+    would be four times as much)."""
+    lines = 400
+    for (name, text), (_, longer) in zip(_long_cases(lines), _long_cases(2 * lines), strict=True):
+        small, got = _measure(name, text, monkeypatch)
+        large, got_longer = _measure(name, longer, monkeypatch)
+        assert large.calls <= 2.2 * small.calls, (name, small, large)
+        assert large.scanned <= 2.2 * small.scanned, (name, small, large)
+        body = "x = 1  # <not a tag>\n" * lines
+        for result, value in ((got, body), (got_longer, body * 2)):
+            assert (
+                result.calls == [("write_file", {"path": "a", "content": value})]
+                or "write_file" not in text
+            )
 
 
 # --- arbitrary text --------------------------------------------------------------

@@ -32,7 +32,8 @@ from gateway.core.structured import marker_tag
 from parsers.events import ToolCallArgs, ToolCallStart
 from parsers.grammars import GRAMMAR_KEY, CallGrammar, call_grammar
 from parsers.grammars.lark_regex import lark_to_regex
-from runtime.load.loader import LoadedModel, load
+from runtime.load.loaded import LoadedModel
+from runtime.load.loader import load
 from runtime.text.constraints import ConstraintError, GrammarVocabulary, TokenMatcher
 from runtime.text.tokenizer import Tokenizer
 from runtime.types import Constraint

@@ -34,7 +34,7 @@ from runtime.cache.batch import BatchCaches  # noqa: E402
 from runtime.cache.ragged import RaggedCache  # noqa: E402
 from runtime.distributed import Group, Mode, comm_bytes_per_token, load_sharded, shard_info  # noqa: E402
 from runtime.distributed.pipeline import parameter_bytes  # noqa: E402
-from runtime.load.loader import LoadedModel  # noqa: E402
+from runtime.load.loaded import LoadedModel  # noqa: E402
 from runtime.models.base import LanguageModel, fusable  # noqa: E402
 
 MODES: tuple[Mode, ...] = ("tensor", "pipeline")

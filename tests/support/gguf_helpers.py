@@ -15,7 +15,7 @@ from gguf.constants import MODEL_ARCH_NAMES
 from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import quantize as reference_quantize
 
-from runtime.load.loader import LoadedModel
+from runtime.load.loaded import LoadedModel
 
 TOKENS = np.array([[5, 17, 3, 99, 42, 7, 250, 11, 64, 1, 2, 300, 8, 9, 10, 77]])
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original": 8192}

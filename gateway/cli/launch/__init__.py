@@ -16,11 +16,17 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
+from gateway.cli.common import DEFAULT_MODEL
+from gateway.cli.launch import flow
 from gateway.cli.launch.base import Asker, Client, LaunchError
+from gateway.cli.launch.binaries import find_client, missing_message
 from gateway.cli.launch.claude import Claude
 from gateway.cli.launch.codex import Codex
 from gateway.cli.launch.openclaw import OpenClaw
 from gateway.cli.launch.opencode import OpenCode
+from gateway.cli.launch.server import Endpoint
+
+__all__ = ["CLIENTS", "add_launch_parser", "run", "split_rest"]
 
 CLIENTS: dict[str, Callable[[], Client]] = {
     "claude": Claude,
@@ -122,10 +128,6 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, out: TextIO) -> int:
-    from gateway.cli.launch import flow
-    from gateway.cli.launch.binaries import find_client, missing_message
-    from gateway.cli.launch.server import Endpoint
-
     if not hasattr(args, "client_args"):
         split_rest(args)
     client = CLIENTS[args.client]()
@@ -145,8 +147,6 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         client.preflight(exe)
     asker = Asker(yes=args.yes)
     endpoint = Endpoint(args.host, args.port, args.api_key)
-    from gateway.cli.main import DEFAULT_MODEL
-
     default_model = _env("MODEL", DEFAULT_MODEL)
     with flow.gateway(endpoint, args.model, default_model, out) as (served, started):
         target = flow.make_target(endpoint, served)

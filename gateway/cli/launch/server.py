@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TextIO
 
+from gateway.cli.common import connectable_host, requested_id
 from gateway.cli.launch.base import LaunchError
 from gateway.cli.progress import is_interactive
 
@@ -34,8 +35,6 @@ class Endpoint:
 
     @property
     def root_url(self) -> str:
-        from gateway.cli.main import connectable_host
-
         return f"http://{connectable_host(self.host)}:{self.port}"
 
 
@@ -118,16 +117,6 @@ def probe(endpoint: Endpoint, timeout: float = 3.0) -> Served | None:
     if status != 200:
         raise LaunchError(f"GET {url}/v1/models answered {status}: {body[:200]!r}")
     return parse_models(body)
-
-
-def requested_id(model: str) -> str:
-    """The id `mlx-gateway serve --model MODEL` serves under: an alias or repo id as given;
-    for a path, the file's name without its extension, or the folder's whole name (a folder
-    such as `Qwen3.5-0.8B` has no extension to drop)."""
-    path = Path(model).expanduser()
-    if not path.exists():
-        return model
-    return path.name if path.is_dir() else path.stem
 
 
 def serves(served: Served, model: str) -> bool:

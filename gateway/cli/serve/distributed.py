@@ -29,56 +29,33 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any
 
+from gateway.app import create_app
+from gateway.cli.common import bind_warning, client_url, resolve
 from gateway.cli.errors import FAILED, CliError
-from gateway.core.models.build import EngineSettings
+from gateway.cli.serve import models as serve_models
+from gateway.cli.serve.distributed_stop import GroupServer, leave
+from gateway.cli.serve.models import ModelConfig
+from gateway.core.models.build import EngineSettings, build_served
+from gateway.core.models.memory import default_memory_budget
+from gateway.core.models.registry import ModelRegistry
+from gateway.core.models.served import ServedModel
 from gateway.core.settings import ServerSettings
-
-if TYPE_CHECKING:
-    from gateway.cli.serve.models import ModelConfig
-    from gateway.core.models.registry import ModelRegistry
-    from gateway.core.models.served import ServedModel
-    from runtime.distributed.channel import Channel
-    from runtime.distributed.group import Group
-    from runtime.distributed.lockstep import LockstepRunner
-    from runtime.load.loader import LoadedModel
+from gateway.server.run import run_server
+from runtime.distributed.channel import Channel
+from runtime.distributed.follower import follow
+from runtime.distributed.group import Group
+from runtime.distributed.load import load_sharded
+from runtime.distributed.lockstep import LockstepRunner
+from runtime.load.loaded import LoadedModel
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("any", "ring", "jaccl", "mpi", "nccl")
-DEFAULT_TIMEOUT_S = 10.0
 _CLOSE_SLACK_S = 30  # beyond its own bounds, what a shutdown may take before the alarm
-
-
-def add_distributed_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--distributed",
-        choices=("tensor", "pipeline"),
-        default=os.environ.get("MLX_GATEWAY_DISTRIBUTED") or None,
-        help="serve one model split over the processes mlx.launch started (run this same "
-        "command on every rank): tensor (heads and MLP columns split, all_sums per "
-        "layer: fast links) or pipeline (contiguous stages of layers: slow links)",
-    )
-    p.add_argument(
-        "--distributed-backend",
-        choices=BACKENDS,
-        default=os.environ.get("MLX_GATEWAY_DISTRIBUTED_BACKEND") or "any",
-        help="the mx.distributed backend (default any: the one mlx.launch set up)",
-    )
-    p.add_argument(
-        "--distributed-timeout",
-        type=float,
-        default=float(os.environ.get("MLX_GATEWAY_DISTRIBUTED_TIMEOUT") or DEFAULT_TIMEOUT_S),
-        help="seconds a rank may stay silent (beyond a step's expected time) before the "
-        f"group counts as lost: requests then get 503s (default {DEFAULT_TIMEOUT_S:g})",
-    )
-
-
-Resolve = Callable[[str], tuple[Path, str]]
 
 
 def serve_distributed(
@@ -86,15 +63,12 @@ def serve_distributed(
     settings: EngineSettings,
     server: ServerSettings,
     configs: Sequence[ModelConfig],
-    resolve: Resolve,
 ) -> int:
     """This rank's part of the distributed server; the process ends here (os._exit:
     an MLX call that a lost peer left blocked cannot be waited for)."""
     cfg = _one_model(args, configs)
     if args.distributed_timeout <= 0:
         raise CliError("--distributed-timeout must be above 0")
-    from gateway.cli.serve import models as serve_models
-
     serve_models.check_names([cfg])
     group = _join(args.distributed_backend)
     _tag_logs(group.rank)
@@ -106,8 +80,6 @@ def serve_distributed(
     )
     path, default_id = resolve(cfg.source)
     loaded = _load(path, group, args.distributed, cfg)
-    from runtime.distributed.channel import Channel
-
     channel = Channel(group.handle)
     if group.rank == 0:
         code = _lead(args, settings, server, cfg, path, cfg.id or default_id, loaded, channel)
@@ -131,8 +103,6 @@ def _one_model(args: argparse.Namespace, configs: Sequence[ModelConfig]) -> Mode
 
 
 def _join(backend: str) -> Group:
-    from runtime.distributed.group import Group
-
     try:
         group = Group.init(backend, strict=True)
     except (RuntimeError, ValueError) as exc:
@@ -155,8 +125,6 @@ def _tag_logs(rank: int) -> None:
 
 
 def _load(path: Path, group: Group, mode: str, cfg: ModelConfig) -> LoadedModel:
-    from runtime.distributed.load import load_sharded
-
     try:
         loaded = load_sharded(path, group, mode)  # type: ignore[arg-type]
     except ValueError as exc:  # cannot be split so (the message says which sizes work)
@@ -177,13 +145,6 @@ def _lead(
     channel: Channel,
 ) -> int:
     """Rank 0: the HTTP server, its engine leading the group."""
-    from gateway.app import create_app
-    from gateway.cli.main import bind_warning, client_url
-    from gateway.cli.serve.distributed_stop import GroupServer
-    from gateway.core.models.build import build_served
-    from gateway.core.models.memory import default_memory_budget
-    from gateway.server.run import run_server
-    from runtime.distributed.lockstep import LockstepRunner
 
     def make_runner(model: LoadedModel, runner_settings: Any) -> LockstepRunner:
         return LockstepRunner(
@@ -251,7 +212,6 @@ def _group_registry(served: ServedModel, runner: LockstepRunner) -> ModelRegistr
     process instead when the group was lost: the worker's collective is blocked for
     good, and freeing MLX memory would wait on it, holding the interpreter's lock. By
     then the drain has answered every client."""
-    from gateway.core.models.registry import ModelRegistry
 
     class GroupRegistry(ModelRegistry):
         def close(self, timeout: float = 30.0) -> None:
@@ -271,8 +231,6 @@ def _follow(
     args: argparse.Namespace, settings: EngineSettings, loaded: LoadedModel, channel: Channel
 ) -> int:
     """Every other rank: follow rank 0 until it ends the group."""
-    from runtime.distributed.follower import follow
-
     _patient_signals()
     return follow(
         loaded, channel, timeout=args.distributed_timeout, slow_bound=settings.stall_seconds
@@ -297,13 +255,3 @@ def _patient_signals() -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handle)
-
-
-def leave(code: int) -> NoReturn:
-    """End the process without the interpreter's teardown: a peer that was lost can
-    leave an MLX call blocked in another thread, which the teardown would wait on (or
-    abort over)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -19,6 +19,8 @@ drain and leave, and clients would lose the server that tells them why. So:
   when a rank 0 that lost its group leaves); a SIGHUP, or the launcher's first SIGTERM
   after a hangup, does not.
 - Any other second signal, while deciding or draining, exits at once (as always).
+
+Every rank leaves through `leave`: the process ends without the interpreter's teardown.
 """
 
 from __future__ import annotations
@@ -31,13 +33,13 @@ import socket
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import uvicorn
 from starlette.applications import Starlette
 
 from gateway.cli.errors import FAILED
-from gateway.cli.serve.distributed import leave
+from gateway.cli.store.store import gateway_home
 from gateway.server.run import DrainingServer
 
 if TYPE_CHECKING:
@@ -51,8 +53,6 @@ _POLL_S = 0.05
 
 def log_path(port: int) -> Path:
     """Where a lingering rank 0 logs (beside `mlx-gateway launch`'s serve-<port>.log)."""
-    from gateway.cli.store.store import gateway_home
-
     return gateway_home() / "logs" / f"distributed-rank0-{port}.log"
 
 
@@ -159,3 +159,13 @@ def redirect_output(path: Path, why: str) -> Path:
 
 def _name(sig: int) -> str:
     return signal.Signals(sig).name
+
+
+def leave(code: int) -> NoReturn:
+    """End the process without the interpreter's teardown: a peer that was lost can
+    leave an MLX call blocked in another thread, which the teardown would wait on (or
+    abort over)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

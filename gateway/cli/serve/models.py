@@ -28,11 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import parsers
+import templates
+from gateway.cli.common import resolve
 from gateway.cli.errors import CliError
-from gateway.core.models.build import _SAMPLING, EngineSettings
+from gateway.core.models.build import SAMPLING_FIELDS, EngineSettings, build_served
 from gateway.core.models.memory import cache_budget, weight_file_bytes
-from gateway.core.models.registry import ModelSpec
 from gateway.core.models.served import ServedModel
+from gateway.core.models.spec import ModelSpec
+from runtime.load.loader import load
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,8 +44,6 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 log = logging.getLogger(__name__)
-
-Resolve = Callable[[str], tuple[Path, str]]  # a model name -> (its path, its default id)
 
 _KEYS = ("source", "id", "aliases", "template_family", "parser", "context_length", "sampling")
 
@@ -140,10 +142,10 @@ def _sampling(table: Any, where: str) -> dict[str, float]:
         raise CliError(f"{where}.sampling must be a table, e.g. {{ temperature = 0.7 }}")
     out: dict[str, float] = {}
     for name, value in table.items():
-        valid = _SAMPLING.get(name)
+        valid = SAMPLING_FIELDS.get(name)
         if valid is None:
             raise CliError(
-                f"{where}.sampling: unknown field {name!r} (known: {', '.join(_SAMPLING)})"
+                f"{where}.sampling: unknown field {name!r} (known: {', '.join(SAMPLING_FIELDS)})"
             )
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not number or not math.isfinite(value) or not valid(float(value)):
@@ -154,9 +156,6 @@ def _sampling(table: Any, where: str) -> dict[str, float]:
 
 def check_names(configs: Sequence[ModelConfig]) -> None:
     """Renderer and parser names exist (a typo fails at startup, not at first load)."""
-    import parsers
-    import templates
-
     families = sorted(templates.builtin_families())
     for cfg in configs:
         if cfg.parser and cfg.parser not in parsers.names():
@@ -171,7 +170,7 @@ def check_names(configs: Sequence[ModelConfig]) -> None:
 
 
 def model_specs(
-    configs: Sequence[ModelConfig], settings: EngineSettings, resolve: Resolve, budget: int
+    configs: Sequence[ModelConfig], settings: EngineSettings, budget: int
 ) -> list[ModelSpec]:
     """Resolve every source (an alias or repo id not yet present is downloaded now, so a
     bad name fails at startup) and make each model's registry entry, with its share of
@@ -207,9 +206,6 @@ def _builder(
     path: Path, model_id: str, cfg: ModelConfig, settings: EngineSettings
 ) -> Callable[[], ServedModel]:
     def build() -> ServedModel:
-        from gateway.core.models.build import build_served
-        from runtime.load.loader import load
-
         loaded = load(path)
         if cfg.context_length is not None:
             if cfg.context_length > loaded.context_length:

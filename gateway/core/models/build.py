@@ -13,7 +13,9 @@ from typing import Any
 
 from gateway.core.capabilities import detect
 from gateway.core.images import ImagePolicy
+from gateway.core.models.memory import MIN_CACHE_BYTES, parameter_bytes
 from gateway.core.models.served import ServedModel
+from templates import MissingTemplateRenderer, builtin_family_for, renderer_for
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +55,12 @@ def build_served(
     """Load `path` (or reuse an already `loaded` model) and wrap it for serving.
     `make_runner(loaded, runner_settings)` builds the engine's runner in place of a
     ModelRunner (a distributed group's rank 0 leads its followers with its own)."""
+    # imported on use: the CLI imports this module at start-up, before backend.configure(),
+    # and the runner and the loader import MLX (the engine is not needed until now)
     from runtime.engine.engine import Engine
-    from runtime.engine.runner import ModelRunner, RunnerSettings
-    from runtime.load.loader import LoadedModel, load
-    from templates import MissingTemplateRenderer, builtin_family_for, renderer_for
+    from runtime.engine.runner import ModelRunner, RunnerSettings  # MLX: see above
+    from runtime.load.loaded import LoadedModel  # MLX: see above
+    from runtime.load.loader import load  # MLX: see above
 
     settings = settings or EngineSettings()
     model = loaded if isinstance(loaded, LoadedModel) else load(path)
@@ -124,8 +128,6 @@ def _cache_memory(model: object, settings: EngineSettings) -> int | None:
     """The model's cache memory: as configured, but no more than the budget leaves
     after its measured weights (a quantized file dequantized on a CPU is bigger than its
     estimate)."""
-    from gateway.core.models.memory import MIN_CACHE_BYTES, parameter_bytes
-
     cache = settings.cache_memory_bytes
     weights = parameter_bytes(model) if settings.memory_budget is not None else None
     if settings.memory_budget is None or weights is None:
@@ -141,8 +143,9 @@ def model_folder(root: Path, model_id: str) -> Path:
     return root.expanduser() / (name or "model")
 
 
-# generation_config.json's sampling fields, and the values each may take
-_SAMPLING: Mapping[str, Callable[[float], bool]] = {
+# generation_config.json's sampling fields, and the values each may take (a --config
+# file's `sampling` table takes the same)
+SAMPLING_FIELDS: Mapping[str, Callable[[float], bool]] = {
     "temperature": lambda v: v >= 0,
     "top_p": lambda v: 0 < v <= 1,
     "top_k": lambda v: v >= 0 and v == int(v),
@@ -163,7 +166,7 @@ def sampling_defaults(generation: Mapping[str, Any]) -> dict[str, float]:
     if generation.get("do_sample") is False:
         return {"temperature": 0.0}
     out: dict[str, float] = {}
-    for name, valid in _SAMPLING.items():
+    for name, valid in SAMPLING_FIELDS.items():
         value = generation.get(name)
         if value is None:
             continue

@@ -16,7 +16,7 @@ from gateway.core.images import ImagePolicy
 if TYPE_CHECKING:
     from runtime.engine.engine import Engine
     from runtime.engine.runner import ModelRunner
-    from runtime.load.loader import LoadedModel
+    from runtime.load.loaded import LoadedModel
     from templates import Renderer
 
 log = logging.getLogger(__name__)

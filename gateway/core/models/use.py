@@ -22,15 +22,18 @@ from starlette.types import Receive, Scope, Send
 from gateway.core.errors import Overloaded
 from gateway.core.generation import ErrorEvents, errors_as_events, openai_error_events
 from gateway.core.http import server_settings
-from gateway.core.models.registry import Lease, ModelRegistry, ModelSpec
+from gateway.core.models.registry import ModelRegistry
 from gateway.core.models.served import ServedModel
+from gateway.core.models.slots import Lease
+from gateway.core.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 Run = Callable[[ServedModel], Awaitable[Response]]
 
 
-def registry(request: Request) -> ModelRegistry:
+def registry_of(request: Request) -> ModelRegistry:
+    """The app's registry; a 503 while the server is still starting."""
     models = getattr(request.app.state, "models", None)
     if not isinstance(models, ModelRegistry):
         raise Overloaded(
@@ -67,7 +70,7 @@ async def with_model(
     """`run(served)` on the model `name` names (None: the default model). `on_error`
     and `ping` are the dialect's error events and keepalive, for a stream that starts
     before the model has loaded."""
-    models = registry(request)
+    models = registry_of(request)
     spec = models.find(name)
     lease = models.lease(spec)
     try:

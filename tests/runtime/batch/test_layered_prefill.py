@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from runtime.batch.generate import generate_tokens
-from runtime.batch.handle import RequestHandle, _ThreadSink
+from runtime.batch.handle import RequestHandle, ThreadSink
 from runtime.batch.layered_prefill import (
     FIRST_LAYERED_CHUNK,
     LAYERED_CHUNK,
@@ -167,7 +167,7 @@ def test_a_prompt_cancelled_halfway_through_a_chunk_leaves_a_sound_prefix(
 
     def admit(tokens: tuple[int, ...], new: int) -> RequestHandle:
         request = GenerationRequest(tokens, new, SamplingParams(temperature=0.0))
-        handle = RequestHandle(request, _ThreadSink())
+        handle = RequestHandle(request, ThreadSink())
         runner.admit(handle)
         return handle
 

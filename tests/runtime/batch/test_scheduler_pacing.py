@@ -1,4 +1,4 @@
-"""How the scheduler sizes prefill chunks between decode steps (runtime/batch/scheduler.py).
+"""How the scheduler paces prefill chunks between decode steps (runtime/batch/pacing.py).
 
 The step times come from a scripted clock, so every number here is exact: a plain
 decode step's time is the median of the last few, each measured only after a plain
@@ -18,8 +18,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import runtime.batch.scheduler as scheduler_module
-from runtime.batch.handle import RequestHandle, _ThreadSink
+import runtime.batch.pacing as pacing_module
+from runtime.batch.handle import RequestHandle, ThreadSink
 from runtime.batch.scheduler import Scheduler
 from runtime.engine.runner import ModelRunner, RunnerSettings
 from runtime.load.loader import load
@@ -59,7 +59,7 @@ def _runner(folder: Path) -> tuple[ModelRunner, Scheduler, Clock]:
 
 def _admit(runner: ModelRunner, n: int, seed: int, new: int) -> RequestHandle:
     request = GenerationRequest(prompt(n, seed, VOCAB), new, SamplingParams(temperature=0.0))
-    handle = RequestHandle(request, _ThreadSink())
+    handle = RequestHandle(request, ThreadSink())
     runner.admit(handle)
     return handle
 
@@ -94,11 +94,12 @@ def test_a_decode_step_right_after_prefill_work_is_not_taken_as_a_decode_step(
 
 def test_a_chunk_is_timed_without_the_forwards_fixed_cost(folders: Callable[[str], Path]) -> None:
     _, sched, _ = _runner(folders("llama"))
-    sched.stats.decode_step_seconds = 0.2
-    sched._measured_chunk(40, 0.6)  # 0.2 s of it is the fixed cost: 40 tokens in 0.4 s
-    assert sched._prefill_rate == pytest.approx(100.0)
-    sched._measured_chunk(10, 0.22)  # no less than a quarter of the chunk's time: 0.055 s
-    assert sched._prefill_rate == pytest.approx(0.7 * 100.0 + 0.3 * 10 / 0.055)
+    pacing = sched.pacing
+    pacing.decode_step_seconds = 0.2
+    pacing.measured_chunk(40, 0.6)  # 0.2 s of it is the fixed cost: 40 tokens in 0.4 s
+    assert pacing.prefill_rate == pytest.approx(100.0)
+    pacing.measured_chunk(10, 0.22)  # no less than a quarter of the chunk's time: 0.055 s
+    assert pacing.prefill_rate == pytest.approx(0.7 * 100.0 + 0.3 * 10 / 0.055)
 
 
 def test_chunks_leave_one_decode_step_for_the_fixed_cost(
@@ -110,15 +111,15 @@ def test_chunks_leave_one_decode_step_for_the_fixed_cost(
         runner.step()
     _admit(runner, 300, 2, 4)
     seq = sched._queue[0]
-    sched.stats.decode_step_seconds, sched._prefill_rate = 0.2, 1000.0
+    sched.pacing.decode_step_seconds, sched.pacing.prefill_rate = 0.2, 1000.0
     monkeypatch.setattr(sched, "_rider", lambda: seq)
-    fused = (scheduler_module.FUSED_SHARE - 1) * 0.2 * 1000.0
+    fused = (pacing_module.FUSED_SHARE - 1) * 0.2 * 1000.0
     assert sched._chunk(seq) == min(64, int(fused))
-    sched._prefill_rate = 100.0
-    assert sched._chunk(seq) == int((scheduler_module.FUSED_SHARE - 1) * 0.2 * 100.0)
-    sched._prefill_rate = 10.0  # a slow prompt still takes the floor's tokens
-    assert sched._chunk(seq) == scheduler_module.MIN_FUSED_CHUNK
+    sched.pacing.prefill_rate = 100.0
+    assert sched._chunk(seq) == int((pacing_module.FUSED_SHARE - 1) * 0.2 * 100.0)
+    sched.pacing.prefill_rate = 10.0  # a slow prompt still takes the floor's tokens
+    assert sched._chunk(seq) == pacing_module.MIN_FUSED_CHUNK
     monkeypatch.setattr(sched, "_rider", lambda: None)  # a chunk run apart
-    sched._prefill_rate = 1000.0
-    alone = (scheduler_module.PREFILL_SHARE - 1) * 0.2 * 1000.0
-    assert sched._chunk(seq) == max(scheduler_module.MIN_PREFILL_CHUNK, min(64, int(alone)))
+    sched.pacing.prefill_rate = 1000.0
+    alone = (pacing_module.PREFILL_SHARE - 1) * 0.2 * 1000.0
+    assert sched._chunk(seq) == max(pacing_module.MIN_PREFILL_CHUNK, min(64, int(alone)))

@@ -30,7 +30,7 @@ import pytest
 from tests.runtime.distributed.test_distributed_shard import launch_workers, save_every_architecture
 
 ROOT = Path(__file__).resolve().parents[3]
-WORKER = ROOT / "tests" / "distributed_engine_worker.py"
+WORKER = ROOT / "tests" / "support" / "distributed_engine_worker.py"
 MODES = ("tensor", "pipeline")
 LAUNCH_TIMEOUT = 300
 

@@ -43,7 +43,7 @@ from runtime.distributed.tensor import LAYER_PARTS
 from runtime.models import build_model
 
 ROOT = Path(__file__).resolve().parents[3]
-WORKER = ROOT / "tests" / "distributed_worker.py"
+WORKER = ROOT / "tests" / "support" / "distributed_worker.py"
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
 TOLERANCE = 1e-4
 LAUNCH_TIMEOUT = 240

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ def _req(*tokens: int, max_tokens: int = 10) -> GenerationRequest:
 
 
 @pytest.fixture
-def engine() -> tuple[Engine, FakeRunner]:
+def engine() -> Iterator[tuple[Engine, FakeRunner]]:
     runner = FakeRunner()
     eng = Engine(runner, max_queue=2)
     eng.start()

@@ -25,8 +25,13 @@ from tokenizers import Regex, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
 from runtime.load.gguf.reader import GGUFFile
-from runtime.load.gguf.tokenizer import CONTROL, NORMAL, USER_DEFINED, build_hf_tokenizer
-from runtime.text.tokenizer import Tokenizer
+from runtime.load.gguf.tokenizer import (
+    CONTROL,
+    NORMAL,
+    USER_DEFINED,
+    build_hf_tokenizer,
+    tokenizer_from_gguf,
+)
 
 _SPLIT = '"behavior": "Isolated", "invert": false'
 _BYTE_LEVEL = (
@@ -284,7 +289,7 @@ def test_gguf_splits_and_ids_match_the_original_tokenizer_json(
     path = _write_gguf(tmp_path / f"{pre}.gguf", pre, vocab, merges)
     meta = GGUFFile(path).metadata
     hf = build_hf_tokenizer(meta)
-    ours = Tokenizer.from_gguf(meta)
+    ours = tokenizer_from_gguf(meta)
     for text in CORPUS:
         assert _pieces(hf, text.replace(SPECIAL, "")) == _pieces(oracle, text.replace(SPECIAL, ""))
         ids = ours.encode(text, add_special_tokens=False)
@@ -343,7 +348,7 @@ def test_kimi_k2_gguf_encodes_like_tiktoken(
         merges,
     )
     path = _write_gguf(tmp_path / "kimi-k2.gguf", "kimi-k2", vocab, merges)
-    ours = Tokenizer.from_gguf(GGUFFile(path))
+    ours = tokenizer_from_gguf(GGUFFile(path))
     for text in (*_KIMI_TEXTS, f"see\n{WHOLE}"):
         expected = [
             i
@@ -366,7 +371,7 @@ def test_unknown_pre_is_refused() -> None:
     assert "kimi-k2" in message and "deepseek-v3" in message  # the known names
     assert "newer mlx-gateway" in message and "tokenizer.json" in message
     with pytest.raises(ValueError, match="no-such-pre"):
-        Tokenizer.from_gguf(meta)
+        tokenizer_from_gguf(meta)
 
 
 def test_default_or_missing_pre_splits_like_gpt2() -> None:
@@ -410,7 +415,7 @@ def test_deepseek_v3_metadata_matches_reference(deepseek_v3_tokenizer_dir: Path)
         "tokenizer.ggml.bos_token_id": 0,
         "tokenizer.ggml.eos_token_id": 1,
     }
-    ours = Tokenizer.from_gguf(meta)
+    ours = tokenizer_from_gguf(meta)
     ref = HFTokenizer.from_file(str(deepseek_v3_tokenizer_dir / "tokenizer.json"))
     for text in CORPUS:
         assert (

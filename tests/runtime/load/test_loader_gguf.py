@@ -17,7 +17,8 @@ from mlx.utils import tree_flatten
 
 from runtime.load.gguf.names import unpermute_rows
 from runtime.load.gguf.reader import GGUFFile
-from runtime.load.loader import LoadedModel, load
+from runtime.load.loaded import LoadedModel
+from runtime.load.loader import load
 from tests.support.gguf_helpers import (
     LLAMA3,
     TOKENS,

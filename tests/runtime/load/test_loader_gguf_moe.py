@@ -26,7 +26,8 @@ from mlx.nn.layers.quantized import QuantizedLinear
 from mlx.utils import tree_flatten
 
 from runtime.load.gguf.reader import GGUFFile
-from runtime.load.loader import LoadedModel, load
+from runtime.load.loaded import LoadedModel
+from runtime.load.loader import load
 from runtime.models.moe import GROUP_MAX, QuantizedSwitchLinear, SparseMoE, SwitchLinear
 from tests.support.gguf_helpers import TOKENS
 from tests.support.gguf_moe_cases import CASES, build, llama_cpp_routing

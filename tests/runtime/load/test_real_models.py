@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from runtime.batch.generate import generate_tokens
-from runtime.load.loader import LoadedModel, load
+from runtime.load.loaded import LoadedModel
+from runtime.load.loader import load
 from runtime.text.sampling import Sampler
 from runtime.types import SamplingParams
 from templates import renderer_for

@@ -26,8 +26,10 @@ import numpy as np
 import pytest
 
 import runtime.prefix.disk.files as prefix_files
+import runtime.prefix.disk.spill as prefix_spill
 import runtime.prefix.disk.tier as prefix_disk
-from gateway.cli.main import _engine_settings, _parser
+from gateway.cli.args import build_parser
+from gateway.cli.common import engine_settings
 from gateway.core.models.build import model_folder
 from runtime.cache import KVCache, LatentCache, RecurrentCache, RotatingKVCache
 from runtime.cache.codec import Encoded, decode, encode
@@ -392,7 +394,7 @@ def test_a_full_writer_queue_drops_instead_of_waiting(
         gate.wait(30)
         return real_write(*args)
 
-    monkeypatch.setattr(prefix_disk, "write_entry", slow)
+    monkeypatch.setattr(prefix_spill, "write_entry", slow)
     pc, tier = tiers.cache(model, tmp_path, queue_bytes=1)  # one job at a time
     prompts = [[first, *range(first + 1, first + 7)] for first in (150, 160, 170, 180)]
     outs = [run_request(pc, model, oracle, p, 2) for p in prompts]
@@ -492,13 +494,13 @@ def test_model_identity_follows_the_weights(tmp_path: Path) -> None:
 
 
 def test_the_flags_reach_the_engine_settings(tmp_path: Path) -> None:
-    args = _parser().parse_args(
+    args = build_parser().parse_args(
         ["serve", "--prefix-cache-dir", str(tmp_path), "--prefix-cache-disk-bytes", "2G"]
     )
-    settings = _engine_settings(args)
+    settings = engine_settings(args)
     assert settings.prefix_cache_dir == tmp_path
     assert settings.prefix_cache_disk_bytes == 2 * 1024**3
-    off = _engine_settings(_parser().parse_args(["serve"]))
+    off = engine_settings(build_parser().parse_args(["serve"]))
     assert off.prefix_cache_dir is None and off.prefix_cache_disk_bytes is None
     assert model_folder(tmp_path, "Qwen/Qwen3-8B") == tmp_path / "Qwen--Qwen3-8B"
     assert model_folder(tmp_path, "..") == tmp_path / "model"

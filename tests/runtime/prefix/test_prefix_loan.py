@@ -101,7 +101,7 @@ class _Run:
 
     @property
     def joined(self) -> int:
-        return len(self.runner.scheduler._rows)
+        return len(self.runner.scheduler.running)
 
 
 def test_the_row_borrows_the_prompt_and_hands_it_back(folders: Callable[[str], Path]) -> None:

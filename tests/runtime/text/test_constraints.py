@@ -24,7 +24,8 @@ import pytest
 from gateway.core.structured import marker_tag
 from parsers.grammars import call_grammar, free_calls
 from runtime.batch.generate import generate_tokens
-from runtime.load.loader import LoadedModel, load
+from runtime.load.loaded import LoadedModel
+from runtime.load.loader import load
 from runtime.text.constraints import (
     ConstraintError,
     GrammarVocabulary,
