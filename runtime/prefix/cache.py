@@ -78,6 +78,9 @@ class Lease(Generic[C]):
 
 
 class PrefixCache(LivePath[C]):
+    """The facade: the request lifecycle (`begin` .. `end`), `adopt`, `close`, and the
+    inspection the debug view and tests read."""
+
     def __init__(
         self,
         make_caches: Callable[[], Sequence[C]],

@@ -25,7 +25,7 @@ from runtime.prefix.loan import Loan, RowState, lendable, take_back
 from runtime.prefix.plan import Plan, apply_plans, deferred_steps, plan_restore
 from runtime.prefix.trie import Key, Node
 
-log = logging.getLogger("runtime.prefix.cache")
+log = logging.getLogger("runtime.prefix.cache")  # the cache's one logger, as in evict.py
 
 C = TypeVar("C", bound=LayerCache)
 
@@ -35,9 +35,9 @@ MAX_BOUNDARIES = 16
 
 
 class LivePath(TrieEviction, Generic[C]):
-    """The positioning half of `PrefixCache`, over the state it declares here. A
-    lockstep rank (runtime/distributed/replica.py) overrides the planning hooks:
-    `_plan`, `_pinned`, `_all_rewindable`."""
+    """The live-path part of `PrefixCache` (lending, positioning, recording), over the
+    state it declares here. A lockstep rank (runtime/distributed/replica.py) overrides
+    the planning hooks: `_plan`, `_pinned`, `_all_rewindable`."""
 
     snapshot_interval: int
     tail_keep: int

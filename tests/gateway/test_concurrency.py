@@ -3,12 +3,14 @@ give their solo outputs in arrival order, and clients that leave at any moment (
 mid-prefill, mid-decode) cancel their generation, which the engine drops (within a prefill
 chunk or a decode step) instead of running it to the end.
 
-Every wait is for an event the server reports (/health, /metrics); its deadline only
-guards against a hang, so a slow machine makes the tests slower, never wrong."""
+Every wait is for an event the server reports (/health, /metrics, the stream itself); its
+deadline only guards against a hang, so a slow machine makes the tests slower, never wrong."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -144,33 +146,148 @@ def test_concurrent_greedy_requests_equal_solo_in_arrival_order(base_url: str) -
     assert finished == sorted(finished), "served in arrival order"
 
 
-async def _leave_at_random(url: str, i: int, rng: random.Random) -> str:
-    """One client that goes away after a random time (queued, prefilling or decoding)."""
-    body = _req(TOPICS[i % len(TOPICS)] + " and their uses" * (i % 3), max_tokens=24)
-    if i % 5 == 0:
-        body["messages"][0]["content"] += (
-            " " + "Think about it carefully. " * 60
-        )  # a longer prefill
-    leave_after = rng.uniform(0.0, 3.0)
-    async with httpx.AsyncClient(timeout=60) as client:
-        call = _chat_streamed(client, url, body) if i % 2 else _chat(client, url, body)
-        try:
-            await asyncio.wait_for(call, leave_after)
-        except asyncio.TimeoutError:
-            return "left"
+CROWD = 50
+STAYING = 5  # clients that never leave: they read their whole answer
+MAX_BATCH = EngineSettings().max_batch  # the fixture's engine keeps the default
+LEAVER_TOKENS = 1000  # far more than any client reads before it leaves
+
+
+def _without_ends(url: str) -> dict[str, int]:
+    """A logit_bias that bans the end-of-turn tokens: a decode then runs to max_tokens."""
+    ends = httpx.post(f"{url}/tokenize", json={"prompt": "<|im_end|><|endoftext|>"}).json()
+    return {str(t): -100 for t in ends["tokens"]}
+
+
+def _has_content(line: str) -> bool:
+    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+        return False
+    choices = json.loads(line[5:])["choices"]
+    return any(c["delta"].get("content") for c in choices)
+
+
+def _long(i: int) -> bool:
+    """Whether client `i` sends a long prompt (its prefill takes many chunks)."""
+    return i % 5 == 0
+
+
+def _plan(rng: random.Random) -> list[tuple[str, int]]:
+    """Each client's moment to leave, as (event, count). A blocking client (even index)
+    leaves once the engine has taken `count` of the crowd's generations (`taken`); a
+    streaming one once its answer began (`began`) or after `count` tokens (`tokens`);
+    `stay` never leaves. A long prompt leaves at the first `taken` (it may be the one
+    being read) or as its answer begins, so nobody waits for a long prefill. No `taken`
+    count exceeds a batch, and the clients that stay or wait for tokens (who cannot leave
+    before the engine takes them) fill one: every `taken` comes without a blocking client
+    leaving, so no client waits on one waiting on it."""
+    staying = set(rng.sample([i for i in range(CROWD) if not _long(i)], STAYING))
+    plan = []
+    for i in range(CROWD):
+        if i in staying:
+            plan.append(("stay", 0))
+        elif i % 2 == 0:
+            plan.append(("taken", 1 if _long(i) else rng.randint(1, MAX_BATCH)))
+        elif _long(i) or rng.random() < 0.3:
+            plan.append(("began", 0))
+        else:
+            plan.append(("tokens", rng.randint(1, 4)))
+    assert sum(event in ("stay", "tokens") for event, _ in plan) >= MAX_BATCH, plan
+    return plan
+
+
+class _Taken:
+    """How many of the crowd's generations the engine has taken, from /health: one poller
+    for the whole crowd, which the blocking clients wait on."""
+
+    def __init__(self, url: str, before: int) -> None:
+        self.url, self.before = url, before
+        self.reached = {count: asyncio.Event() for count in range(1, MAX_BATCH + 1)}
+
+    async def watch(self, client: httpx.AsyncClient) -> None:
+        deadline = time.monotonic() + HANG_S
+        while not all(e.is_set() for e in self.reached.values()):
+            assert time.monotonic() < deadline, f"the engine never took {MAX_BATCH} generations"
+            taken = (await client.get(f"{self.url}/health")).json()["requests_total"]
+            for count, event in self.reached.items():
+                if taken - self.before >= count:
+                    event.set()
+            await asyncio.sleep(0.01)
+
+
+async def _stream_until(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], tokens: int
+) -> str:
+    """A streaming client that leaves after `tokens` tokens (0: as soon as its answer began)."""
+    async with client.stream("POST", f"{url}{CHAT}", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        if tokens == 0:
+            return "left"  # leaving the block closes the connection
+        seen = 0
+        async for line in r.aiter_lines():
+            seen += _has_content(line)
+            if seen == tokens:
+                return "left"
     return "finished"
 
 
+async def _post_until(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], moment: asyncio.Event
+) -> str:
+    """A blocking client that leaves at `moment`, with its request still unanswered."""
+    call = asyncio.ensure_future(client.post(f"{url}{CHAT}", json=body))
+    wait = asyncio.ensure_future(moment.wait())
+    done, _ = await asyncio.wait({call, wait}, return_when=asyncio.FIRST_COMPLETED)
+    if call in done:
+        wait.cancel()
+        chat_body(call.result())
+        return "finished"
+    call.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await call
+    return "left"
+
+
+async def _client(
+    url: str, i: int, leave: tuple[str, int], taken: _Taken, bias: dict[str, int]
+) -> str:
+    """One client of the crowd: queued, prefilling or decoding when its moment comes."""
+    body = _req(TOPICS[i % len(TOPICS)] + " and their uses" * (i % 3), max_tokens=24)
+    if _long(i):
+        body["messages"][0]["content"] += (
+            " " + "Think about it carefully. " * 60
+        )  # a longer prefill
+    event, count = leave
+    if event != "stay":  # a leaver's generation cannot end before its client leaves
+        body = {**body, "max_tokens": LEAVER_TOKENS, "logit_bias": bias}
+    async with httpx.AsyncClient(timeout=HANG_S) as client:
+        if event == "stay":
+            call = _chat_streamed if i % 2 else _chat
+            await call(client, url, body)
+            return "finished"
+        if event == "taken":
+            return await _post_until(client, url, body, taken.reached[count])
+        return await _stream_until(client, url, body, count if event == "tokens" else 0)
+
+
 def test_fifty_clients_leaving_at_random_leave_the_engine_idle(base_url: str) -> None:
+    """Fifty clients, each leaving at a moment of its own drawn from the seed (see _plan):
+    a leaver asks for far more tokens than it reads and cannot stop early, so it is still
+    unanswered when it leaves, however fast the machine."""
     expected = chat_body(post(base_url, CHAT, _req("colors"))).choices[0].message.content
-    rng = random.Random(5)
+    plan = _plan(random.Random(5))
+    bias = _without_ends(base_url)
 
     async def crowd() -> list[str]:
-        tasks = [asyncio.ensure_future(_leave_at_random(base_url, i, rng)) for i in range(50)]
-        return list(await asyncio.gather(*tasks))
+        async with httpx.AsyncClient(timeout=HANG_S) as client:
+            progress = _Taken(base_url, int(_health(base_url)["requests_total"]))
+            clients = [_client(base_url, i, leave, progress, bias) for i, leave in enumerate(plan)]
+            watcher = asyncio.ensure_future(progress.watch(client))
+            outcomes = await asyncio.gather(*clients)
+            await watcher  # raises if the engine never took a batch
+            return outcomes
 
     before = _engine_counts(base_url)
     outcomes = asyncio.run(crowd())
+    assert outcomes == ["finished" if event == "stay" else "left" for event, _ in plan]
     assert outcomes.count("left") >= 40
     _wait_idle(base_url)
     after = _engine_counts(base_url)
@@ -211,8 +328,7 @@ def test_leaving_mid_prefill_frees_the_engine_within_a_chunk(base_url: str) -> N
 
 def test_leaving_mid_decode_frees_the_engine_within_a_step(base_url: str) -> None:
     # the end-of-turn tokens banned, so the decode runs for all of max_tokens
-    ends = httpx.post(f"{base_url}/tokenize", json={"prompt": "<|im_end|><|endoftext|>"}).json()
-    body = {**_req("colors", max_tokens=1000), "logit_bias": {str(t): -100 for t in ends["tokens"]}}
+    body = {**_req("colors", max_tokens=1000), "logit_bias": _without_ends(base_url)}
     _wait_idle(base_url)
     before = _engine_counts(base_url)
     with httpx.stream("POST", f"{base_url}{CHAT}", json={**body, "stream": True}, timeout=60) as r:

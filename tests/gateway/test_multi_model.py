@@ -53,12 +53,19 @@ from tests.support.anthropic_checks import (  # noqa: E402
     read_events,
 )
 from tests.support.live_server import live_server  # noqa: E402
-from tests.support.openai_checks import chat_body, chat_chunks, error_of, post, stream  # noqa: E402
+from tests.support.openai_checks import (  # noqa: E402
+    chat_body,
+    chat_chunks,
+    error_of,
+    open_after,
+    post,
+    stream,
+)
 
 A, B = "tiny-a", "tiny-b"
 CHAT, MESSAGES = "/v1/chat/completions", "/v1/messages"
 HELLO = [{"role": "user", "content": "Name three colors."}]
-FAST = ServerSettings(keepalive_seconds=0.1)  # keepalives show within a slow load
+FAST = ServerSettings(keepalive_seconds=0.1)  # a load held on its gate soon sees keepalives
 WAIT_S = 60.0
 # each model's cache memory (batch and prefix trie): small beside its weights, so the
 # budgets below are set by the weights as the tests intend
@@ -92,13 +99,11 @@ class HeldRunner:
 
 
 class Loads:
-    """Counts each model's loads; a model listed in `slow` takes that long to load,
-    one in `gates` waits for its event first, and one in `held` generates with a
-    HeldRunner on that event."""
+    """Counts each model's loads; a model listed in `gates` waits for its event before
+    it loads, and one in `held` generates with a HeldRunner on that event."""
 
     def __init__(self) -> None:
         self.count: dict[str, int] = {}
-        self.slow: dict[str, float] = {}
         self.gates: dict[str, threading.Event] = {}
         self.held: dict[str, threading.Event] = {}
         self.fail: set[str] = set()
@@ -108,7 +113,6 @@ class Loads:
             self.count[model_id] = self.count.get(model_id, 0) + 1
             if model_id in self.gates:
                 assert self.gates[model_id].wait(WAIT_S)
-            time.sleep(self.slow.get(model_id, 0.0))
             if model_id in self.fail:
                 raise RuntimeError("the weights are unreadable")
             settings = EngineSettings(cache_memory_bytes=CACHE_BYTES)
@@ -264,10 +268,12 @@ def test_an_unknown_model_is_a_404_in_each_dialect(pair: tuple[str, Loads]) -> N
 
 
 def test_a_stream_to_an_unloaded_model_gets_keepalives(folders: dict[str, Path]) -> None:
+    """B loads once the client has read three keepalive comments."""
     loads = Loads()
-    loads.slow[B] = 0.8
+    loaded = loads.gates[B] = threading.Event()
     with live_server(_registry(folders, loads, keep_alive=0), FAST) as url:
-        sse = stream(url, CHAT, _chat(B, stream_options={"include_usage": True}))
+        body = _chat(B, stream_options={"include_usage": True})
+        sse = stream(url, CHAT, body, on_line=open_after(loaded, 3))
         chunks = chat_chunks(sse)
         assert sse.comments_before_data >= 3, sse.comments  # sent while B loaded
         assert {c.model for c in chunks} == {B} and chunks[-1].usage is not None
@@ -279,10 +285,11 @@ def test_a_stream_to_an_unloaded_model_gets_keepalives(folders: dict[str, Path])
 
 
 def test_an_anthropic_stream_to_an_unloaded_model_pings_first(folders: dict[str, Path]) -> None:
+    """B loads once the client has read three pings."""
     loads = Loads()
-    loads.slow[B] = 0.8
+    loaded = loads.gates[B] = threading.Event()
     with live_server(_registry(folders, loads, keep_alive=0), FAST) as url:
-        events = read_events(url, _message(B))
+        events = read_events(url, _message(B), on_line=open_after(loaded, 3, "event: ping"))
         start = events.names.index("message_start")
         assert start >= 3 and set(events.names[:start]) == {"ping"}, events.names[:start]
         msg = check_stream(Events(events.status, events.items[start:]))

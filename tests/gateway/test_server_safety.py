@@ -2,8 +2,8 @@
 bounded queue that answers 429, errors after a stream began, and keepalives.
 
 Two live servers: SmolLM2 behind every limit, and one whose engine runs a scripted
-stand-in for the model (so a full queue, a failing generation and a slow prefill can be
-produced on demand).
+stand-in for the model (so a full queue, a failing generation and a prefill that lasts
+until the test says can be produced on demand).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,14 @@ from runtime.engine.engine import Engine, RequestHandle  # noqa: E402
 from runtime.types import Finished, FinishReason, GenerationStats, TextDelta  # noqa: E402
 from templates import Message, Renderer, RenderOptions, TemplateError, Tool  # noqa: E402
 from tests.support.live_server import live_server  # noqa: E402
-from tests.support.openai_checks import chat_body, chat_chunks, error_of, post, stream  # noqa: E402
+from tests.support.openai_checks import (  # noqa: E402
+    chat_body,
+    chat_chunks,
+    error_of,
+    open_after,
+    post,
+    stream,
+)
 
 pytestmark = pytest.mark.real_model
 
@@ -170,21 +176,22 @@ def test_prompt_and_max_tokens_caps(secure_url: str) -> None:
 
 
 class ScriptedRunner:
-    """Stands in for the model: blocks on a gate, prefills slowly, or fails mid-way."""
+    """Stands in for the model: blocks on a gate, prefills until told, or fails mid-way."""
 
     def __init__(self) -> None:
         self.gate = threading.Event()
         self.gate.set()
-        self.prefill_seconds = 0.0
+        self.prefill = threading.Event()  # the prompt is read once this is set
+        self.prefill.set()
         self.fail_after: int | None = None
         self.text: list[str] | None = None  # the pieces to write instead of "t0 t1 ..."
 
     def run(self, handle: RequestHandle) -> Finished:
         self.gate.wait(60)
         prompt = len(handle.request.prompt_tokens)
-        deadline = time.monotonic() + self.prefill_seconds
-        while time.monotonic() < deadline and not handle.cancelled:
-            time.sleep(0.01)
+        while not self.prefill.wait(0.01):
+            if handle.cancelled:  # the client left mid-prefill: stop, as a model would
+                break
         n = 0
         for n in range(handle.request.max_tokens):
             if handle.cancelled:
@@ -238,7 +245,7 @@ def script(scripted: tuple[str, ScriptedRunner]) -> Iterator[tuple[str, Scripted
     url, runner = scripted
     yield url, runner
     runner.gate.set()
-    runner.prefill_seconds = 0.0
+    runner.prefill.set()
     runner.fail_after = None
     runner.text = None
 
@@ -316,9 +323,12 @@ def test_error_after_stream_began_is_an_sse_error_event(script: tuple[str, Scrip
 
 
 def test_keepalive_comments_during_a_long_prefill(script: tuple[str, ScriptedRunner]) -> None:
+    """The prefill lasts until the client has read two keepalive comments (a stuck stream
+    fails on the client's read timeout); then the stream ends as usual."""
     url, runner = script
-    runner.prefill_seconds = 1.0
-    sse = stream(url, CHAT, {"model": MODEL, "messages": HELLO, "max_tokens": 2})
+    runner.prefill.clear()
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
+    sse = stream(url, CHAT, body, on_line=open_after(runner.prefill, 2))
     chat_chunks(sse)
     assert sse.comments_before_data >= 2, sse.comments
 

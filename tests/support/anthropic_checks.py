@@ -4,6 +4,7 @@ SDK's own types as the oracle for every body, event and error."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +53,11 @@ def read_events(
     body: dict[str, Any],
     headers: dict[str, str] | None = None,
     path: str = "/v1/messages",
+    *,
+    on_line: Callable[[str], None] | None = None,
 ) -> Events:
+    """POST with stream: true and read every named event; `on_line` sees each line as it
+    arrives, so a test can act mid-stream."""
     with httpx.stream(
         "POST",
         f"{base_url}{path}",
@@ -67,6 +72,8 @@ def read_events(
         assert r.headers["content-type"].startswith("text/event-stream")
         name: str | None = None
         for line in r.iter_lines():
+            if on_line is not None:
+                on_line(line)
             if line.startswith("event:"):
                 name = line[6:].strip()
             elif line.startswith("data:"):

@@ -4,6 +4,8 @@ as the oracle for every body and chunk."""
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,9 +39,16 @@ class SSE:
 
 
 def stream(
-    base_url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+    base_url: str,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+    *,
+    on_line: Callable[[str], None] | None = None,
 ) -> SSE:
-    """POST with stream: true and read every SSE line; asserts nothing follows [DONE]."""
+    """POST with stream: true and read every SSE line; asserts nothing follows [DONE].
+    `on_line` sees each line as it arrives, so a test can act mid-stream (open the gate
+    a fake engine waits on once it has read the keepalives it expects)."""
     with httpx.stream(
         "POST", f"{base_url}{path}", json={**body, "stream": True}, headers=headers, timeout=TIMEOUT
     ) as r:
@@ -49,6 +58,8 @@ def stream(
             return out
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
+            if on_line is not None:
+                on_line(line)
             if line.startswith(":"):
                 out.comments.append(line)
                 if len(out.data) <= 1:
@@ -63,6 +74,21 @@ def stream(
                 continue
             out.data.append(json.loads(payload))
     return out
+
+
+def open_after(gate: threading.Event, count: int, prefix: str = ":") -> Callable[[str], None]:
+    """An `on_line` that sets `gate` once it has read `count` lines starting with `prefix`
+    (":" is an SSE comment, the OpenAI dialects' keepalive; "event: ping" Anthropic's)."""
+    seen = 0
+
+    def on_line(line: str) -> None:
+        nonlocal seen
+        if line.startswith(prefix):
+            seen += 1
+            if seen >= count:
+                gate.set()
+
+    return on_line
 
 
 def chat_body(r: httpx.Response) -> ChatCompletion:

@@ -9,13 +9,18 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gateway.core.capabilities import detect
+from gateway.core.capabilities import Capabilities, detect
 from gateway.core.images import ImagePolicy
 from gateway.core.models.memory import MIN_CACHE_BYTES, parameter_bytes
 from gateway.core.models.served import ServedModel
 from templates import MissingTemplateRenderer, builtin_family_for, renderer_for
+
+if TYPE_CHECKING:
+    from runtime.engine.runner import RunnerSettings
+    from runtime.load.loaded import LoadedModel
+    from templates import Renderer
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,37 @@ def build_served(
 
     settings = settings or EngineSettings()
     model = loaded if isinstance(loaded, LoadedModel) else load(path)
+    renderer, caps = _renderer_and_caps(model, settings, model_id)
+    base = RunnerSettings(
+        prefill_chunk=settings.prefill_chunk,
+        snapshot_interval=settings.snapshot_interval,
+        max_batch=settings.max_batch,
+    )
+    runner_settings = _runner_settings(base, model, settings, model_id)
+    runner = (make_runner or ModelRunner)(model, runner_settings)
+    engine = Engine(runner, max_queue=settings.max_queue, stall_seconds=settings.stall_seconds)
+    log.info("%s: capabilities %s", model_id, caps.card())
+    defaults = sampling_defaults(model.generation_config)
+    if defaults:
+        log.info("%s: sampling defaults from the model %s", model_id, defaults)
+    return ServedModel(
+        id=model_id,
+        loaded=model,
+        renderer=renderer,
+        engine=engine,
+        caps=caps,
+        aliases=aliases,
+        runner=runner,
+        sampling_defaults=defaults,
+        image_policy=ImagePolicy(allow_private=settings.allow_private_urls),
+    )
+
+
+def _renderer_and_caps(
+    model: LoadedModel, settings: EngineSettings, model_id: str
+) -> tuple[Renderer, Capabilities]:
+    """The prompt renderer (the model's template, or a built-in one) and what the model
+    can do (chat, tools, reasoning, vision), read from its config and template."""
     tok = model.tokenizer
     model_type = str(model.config.get("model_type", ""))
     renderer = renderer_for(
@@ -85,43 +121,25 @@ def build_served(
     if isinstance(renderer, MissingTemplateRenderer):
         log.warning("%s has no chat template; only raw completions will work", model_id)
         caps = dataclasses.replace(caps, chat=False)
-    runner_settings = RunnerSettings(
-        prefill_chunk=settings.prefill_chunk,
-        snapshot_interval=settings.snapshot_interval,
-        max_batch=settings.max_batch,
-    )
+    return renderer, caps
+
+
+def _runner_settings(
+    base: RunnerSettings, model: LoadedModel, settings: EngineSettings, model_id: str
+) -> RunnerSettings:
+    """`base` with the cache options the server sets (the runtime's defaults otherwise)."""
+    out = base
     if settings.prefix_cache_bytes is not None:
-        runner_settings = dataclasses.replace(
-            runner_settings, prefix_cache_bytes=settings.prefix_cache_bytes
-        )
+        out = dataclasses.replace(out, prefix_cache_bytes=settings.prefix_cache_bytes)
     cache_memory = _cache_memory(model.model, settings)
     if cache_memory is not None:
-        runner_settings = dataclasses.replace(runner_settings, cache_memory_bytes=cache_memory)
+        out = dataclasses.replace(out, cache_memory_bytes=cache_memory)
     if settings.prefix_cache_dir is not None:
-        runner_settings = dataclasses.replace(
-            runner_settings, prefix_cache_dir=model_folder(settings.prefix_cache_dir, model_id)
-        )
+        folder = model_folder(settings.prefix_cache_dir, model_id)
+        out = dataclasses.replace(out, prefix_cache_dir=folder)
     if settings.prefix_cache_disk_bytes is not None:
-        runner_settings = dataclasses.replace(
-            runner_settings, prefix_cache_disk_bytes=settings.prefix_cache_disk_bytes
-        )
-    runner = (make_runner or ModelRunner)(model, runner_settings)
-    engine = Engine(runner, max_queue=settings.max_queue, stall_seconds=settings.stall_seconds)
-    log.info("%s: capabilities %s", model_id, caps.card())
-    defaults = sampling_defaults(model.generation_config)
-    if defaults:
-        log.info("%s: sampling defaults from the model %s", model_id, defaults)
-    return ServedModel(
-        id=model_id,
-        loaded=model,
-        renderer=renderer,
-        engine=engine,
-        caps=caps,
-        aliases=aliases,
-        runner=runner,
-        sampling_defaults=defaults,
-        image_policy=ImagePolicy(allow_private=settings.allow_private_urls),
-    )
+        out = dataclasses.replace(out, prefix_cache_disk_bytes=settings.prefix_cache_disk_bytes)
+    return out
 
 
 def _cache_memory(model: object, settings: EngineSettings) -> int | None:
