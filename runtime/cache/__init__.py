@@ -1,11 +1,12 @@
 """Per-layer caches, their snapshots, and the protocol models and the prefix trie use;
 the batched and ragged forms the scheduler runs a batch on.
 
-The disk tier's snapshot encoding (codec.py: `encode`, `decode`, `Layout`) is imported
-from runtime.cache.codec: its generic names read as this package's own verbs otherwise."""
+The disk tier's snapshot encoding is the `codec` module (`codec.encode`, `codec.decode`,
+`codec.Layout`): its generic names would read as this package's own verbs otherwise."""
 
 from __future__ import annotations
 
+from runtime.cache import codec
 from runtime.cache.batch import BatchCaches, BatchTokenCache, batchable
 from runtime.cache.kv import KVCache, KVSnapshot, reserve_prompt
 from runtime.cache.latent import LatentCache
@@ -33,6 +34,7 @@ __all__ = [
     "RotatingSnapshot",
     "Snapshot",
     "batchable",
+    "codec",
     "reserve_prompt",
     "window_mask",
 ]

@@ -3,7 +3,15 @@ GGUF file (runtime.load.gguf), into a runtime.models architecture with its token
 
 from __future__ import annotations
 
+from runtime.load.gguf import GGUFFile, hf_config, tokenizer_from_gguf
 from runtime.load.loaded import LoadedModel, ShardHook
 from runtime.load.loader import load
 
-__all__ = ["LoadedModel", "ShardHook", "load"]
+__all__ = [
+    "GGUFFile",
+    "LoadedModel",
+    "ShardHook",
+    "hf_config",
+    "load",
+    "tokenizer_from_gguf",
+]

@@ -8,6 +8,7 @@ runtime/prefix/disk/.
 from __future__ import annotations
 
 from runtime.prefix.cache import Lease, PrefixCache
+from runtime.prefix.disk import DiskTier, model_identity
 from runtime.prefix.loan import RowState
 from runtime.prefix.plan import Plan, plan_restore
 from runtime.prefix.report import CacheReport, MissReason
@@ -15,6 +16,7 @@ from runtime.prefix.trie import ImageKey, Key, Node, image_keys
 
 __all__ = [
     "CacheReport",
+    "DiskTier",
     "ImageKey",
     "Key",
     "Lease",
@@ -24,5 +26,6 @@ __all__ = [
     "PrefixCache",
     "RowState",
     "image_keys",
+    "model_identity",
     "plan_restore",
 ]

@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from runtime.cache import Snapshot
-from runtime.cache.codec import KV, ROTATING
+from runtime.cache import Snapshot, codec
 from runtime.prefix.disk.files import Header, LayerMeta
 
-SPLITTABLE = (KV, ROTATING)  # kinds whose snapshot can be cut short of its end
+SPLITTABLE = (codec.KV, codec.ROTATING)  # kinds whose snapshot can be cut short of its end
 
 
 @dataclass(eq=False)

@@ -29,7 +29,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from runtime.cache.codec import Layout
+from runtime.cache import codec
 from runtime.prefix.trie import ImageKey, Key
 
 FORMAT = "mlx-gateway-prefix-cache"
@@ -51,7 +51,7 @@ class BadEntry(Exception):
 class LayerMeta:
     """One layer's snapshot in a file: its numbers and its arrays' dtypes and shapes."""
 
-    layout: Layout
+    layout: codec.Layout
     base: int
     floor: int
     end: int
@@ -73,7 +73,7 @@ class LayerMeta:
     def parse(cls, raw: Mapping[str, Any]) -> LayerMeta:
         params = {str(k): int(v) for k, v in dict(raw["params"]).items()}
         return cls(
-            Layout(str(raw["kind"]), params),
+            codec.Layout(str(raw["kind"]), params),
             int(raw["base"]),
             int(raw["floor"]),
             int(raw["end"]),

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from runtime.cache.codec import Layout
+from runtime.cache import codec
 from runtime.prefix.disk.entry import Entry
 from runtime.prefix.disk.files import SUFFIX, TMP_SUFFIX, BadEntry, Header, read_header
 from runtime.prefix.disk.writer import Writer
@@ -59,7 +59,7 @@ class DiskIndex:
         self.entries.clear()
         self.nbytes = 0
 
-    def scan(self, layouts: Sequence[Layout | None]) -> list[tuple[Entry, tuple[Key, ...]]]:
+    def scan(self, layouts: Sequence[codec.Layout | None]) -> list[tuple[Entry, tuple[Key, ...]]]:
         """Index the directory's usable files, most recently used first, with each one's
         keys; then shrink to the bound (the entries it deleted come back dead)."""
         for tmp in self.directory.glob("*" + TMP_SUFFIX):
@@ -145,7 +145,7 @@ class DiskIndex:
             raise AssertionError("disk byte count disagrees with the entries")
 
 
-def _check_layouts(header: Header, layouts: Sequence[Layout | None]) -> None:
+def _check_layouts(header: Header, layouts: Sequence[codec.Layout | None]) -> None:
     for i, meta in header.layers.items():
         if not 0 <= i < len(layouts) or layouts[i] != meta.layout:
             raise BadEntry(f"layer {i} does not fit this model's caches")

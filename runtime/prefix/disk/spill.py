@@ -19,8 +19,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from runtime.cache import ArraySnapshot, Snapshot
-from runtime.cache.codec import Encoded, encode
+from runtime.cache import ArraySnapshot, Snapshot, codec
 from runtime.prefix.disk.entry import DiskSnapshot, Entry, same_range
 from runtime.prefix.disk.files import (
     Header,
@@ -101,9 +100,9 @@ class Spiller:
         """The entry for these snapshots (an existing one holding the same state, or a new
         one holding their arrays, and the job that writes it); None when they cannot go
         to disk."""
-        encoded: dict[int, Encoded] = {}
+        encoded: dict[int, codec.Encoded] = {}
         for i, snap in fresh:
-            enc = encode(snap)
+            enc = codec.encode(snap)
             if enc is None:
                 return None
             encoded[i] = enc

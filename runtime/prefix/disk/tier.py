@@ -33,8 +33,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from runtime.cache import ArraySnapshot, Snapshot
-from runtime.cache.codec import decode, layout_of
+from runtime.cache import ArraySnapshot, Snapshot, codec
 from runtime.prefix.disk.entry import DiskSnapshot, Entry, same_range
 from runtime.prefix.disk.files import BadEntry, dtype_name, read_layers
 from runtime.prefix.disk.index import DiskIndex
@@ -112,7 +111,7 @@ class DiskTier:
     def attach(self, trie: Trie) -> None:
         """Index the directory and give the trie a node, with disk snapshots, for each
         usable file (the most recently used file wins a layer two files both hold)."""
-        found = self._index.scan([layout_of(layer) for layer in trie.layers])
+        found = self._index.scan([codec.layout_of(layer) for layer in trie.layers])
         for entry, keys in found:
             if entry.dead:
                 continue
@@ -177,7 +176,9 @@ class DiskTier:
                 group = arrays[i]
                 if [dtype_name(a) for a in group] != list(meta.dtypes):
                     raise ValueError(f"layer {i} arrays are not {meta.dtypes}")
-                snap: Snapshot | None = decode(meta.layout, meta.base, meta.floor, meta.end, group)
+                snap: Snapshot | None = codec.decode(
+                    meta.layout, meta.base, meta.floor, meta.end, group
+                )
                 if disk.cut is not None and snap is not None:
                     snap, rest = trie.layers[i].split(snap, disk.cut)
                     if rest is not None:
