@@ -26,9 +26,8 @@ from typing import Any
 
 import jsonschema
 
-from runtime.engine.engine import Engine, RequestHandle
-from runtime.engine.runner import ModelRunner, RunnerSettings
-from runtime.load.loaded import LoadedModel
+from runtime.engine import Engine, ModelRunner, RequestHandle, RunnerSettings
+from runtime.load import LoadedModel
 from runtime.types import (
     Constraint,
     Finished,

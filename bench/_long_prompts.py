@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gateway.core.models.served import ServedModel
+    from gateway.core.models import ServedModel
 
 CHAT, RESPONSES, MESSAGES = "/v1/chat/completions", "/v1/responses", "/v1/messages"
 # client -> (capture, the route that client sends it to)

@@ -161,7 +161,7 @@ class Accountant:
     """The model's own tokenizer and chat template, as the gateway renders prompts."""
 
     def __init__(self, model: Path) -> None:
-        from runtime.text.tokenizer import Tokenizer, read_chat_template
+        from runtime.text import Tokenizer, read_chat_template
         from templates import renderer_for
 
         if model.is_dir():  # a HF folder: config.json, tokenizer.json, tokenizer_config.json
@@ -170,9 +170,7 @@ class Accountant:
             self.tok = Tokenizer.from_folder(model)
             self.chat_template = read_chat_template(model)
         else:
-            from runtime.load.gguf.config import hf_config
-            from runtime.load.gguf.reader import GGUFFile
-            from runtime.load.gguf.tokenizer import tokenizer_from_gguf
+            from runtime.load import GGUFFile, hf_config, tokenizer_from_gguf
 
             gf = GGUFFile(model)
             config = hf_config(gf)

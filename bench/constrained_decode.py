@@ -40,11 +40,14 @@ from runtime import backend  # noqa: E402
 backend.configure()
 
 from bench._batched_constrained import BatchCase, bench_batched, schema_check, tool_check  # noqa: E402
-from runtime.batch.generate import generate_tokens  # noqa: E402
-from runtime.load.loaded import LoadedModel  # noqa: E402
-from runtime.load.loader import load  # noqa: E402
-from runtime.text.constraints import GrammarVocabulary, TokenMatcher, json_schema_constraint  # noqa: E402
-from runtime.text.sampling import Sampler  # noqa: E402
+from runtime.batch import generate_tokens  # noqa: E402
+from runtime.load import LoadedModel, load  # noqa: E402
+from runtime.text import (  # noqa: E402
+    GrammarVocabulary,
+    Sampler,
+    TokenMatcher,
+    json_schema_constraint,
+)
 from runtime.types import Constraint, SamplingParams  # noqa: E402
 
 PROMPT = (

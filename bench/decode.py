@@ -42,7 +42,7 @@ def _export_hf(gguf: Path, out: Path, dtype: str) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from runtime.load.loader import load
+    from runtime.load import load
 
     loaded = load(gguf)
     flat: list[tuple[str, mx.array]] = tree_flatten(loaded.model.parameters())  # type: ignore[assignment]
@@ -57,9 +57,8 @@ def _export_hf(gguf: Path, out: Path, dtype: str) -> None:
 def worker_gateway(gguf: Path, prompt_tokens: int, gen_tokens: int, repeats: int) -> dict[str, Any]:
     import dataclasses
 
-    from runtime.engine.engine import Engine
-    from runtime.engine.runner import ModelRunner
-    from runtime.load.loader import load
+    from runtime.engine import Engine, ModelRunner
+    from runtime.load import load
     from runtime.types import Finished, GenerationRequest, SamplingParams
 
     loaded = load(gguf)
@@ -114,7 +113,7 @@ def worker_blas(gguf: Path, prompt_tokens: int) -> dict[str, Any]:
     """Time the model's matmuls at prefill shape alone: the BLAS's ceiling for prefill."""
     import mlx.core as mx
 
-    from runtime.load.loader import load
+    from runtime.load import load
 
     loaded = load(gguf)
     cfg = loaded.config

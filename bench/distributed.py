@@ -106,13 +106,16 @@ def worker(args: argparse.Namespace) -> None:
     backend.configure()
     import dataclasses
 
-    from runtime.distributed import Group, comm_bytes_per_token, load_sharded
-    from runtime.distributed.channel import Channel
-    from runtime.distributed.follower import follow
-    from runtime.distributed.lockstep import LockstepRunner
-    from runtime.engine.engine import Engine
-    from runtime.engine.runner import ModelRunner, RunnerSettings
-    from runtime.load.loader import load
+    from runtime.distributed import (
+        Channel,
+        Group,
+        LockstepRunner,
+        comm_bytes_per_token,
+        follow,
+        load_sharded,
+    )
+    from runtime.engine import Engine, ModelRunner, RunnerSettings
+    from runtime.load import load
 
     settings = RunnerSettings(prefix_cache_bytes=0, max_batch=max(1, args.batch))
     if args.config == "process":

@@ -56,13 +56,12 @@ FREE_TEXT = (
 
 def _hf_tokenizer(vocab: str) -> tuple[Any, list[int], int]:
     """(tokenizers.Tokenizer, eos ids, model vocab size) for one vocabulary."""
-    from runtime.text.tokenizer import Tokenizer
+    from runtime.text import Tokenizer
     from tests.support.fixtures_real import npm_tokenizer_dir
 
     if vocab == "qwen2.5-gguf":
         from gateway.cli.store.store import Store
-        from runtime.load.gguf.reader import GGUFFile
-        from runtime.load.gguf.tokenizer import tokenizer_from_gguf
+        from runtime.load import GGUFFile, tokenizer_from_gguf
 
         gguf = GGUFFile(Store().resolve("qwen2.5-coder-0.5b"))
         tok = tokenizer_from_gguf(gguf)

@@ -116,7 +116,7 @@ def _warm_up_ids(ids: list[int]) -> list[int]:
 
 
 def worker_render(gguf: Path, names: list[str], gen: int, fixtures: Path) -> dict[str, Any]:
-    from gateway.core.models.build import EngineSettings, build_served
+    from gateway.core.models import EngineSettings, build_served
 
     served = build_served(gguf, model_id=MODEL, settings=EngineSettings(prefix_cache_bytes=0))
     return {
@@ -160,7 +160,7 @@ def _engine_settings() -> Any:
     """The server's settings, cache off unless this process's environment says otherwise
     (the variables `mlx-gateway serve` reads, e.g. through --gateway-only-env)."""
     from gateway.cli.common import parse_bytes
-    from gateway.core.models.build import EngineSettings
+    from gateway.core.models import EngineSettings
 
     env = os.environ
     return EngineSettings(
@@ -174,8 +174,8 @@ def worker_gateway(gguf: Path, ids: list[int], gen: int) -> dict[str, Any]:
 
     import mlx.core as mx
 
-    from gateway.core.models.build import build_served
-    from runtime.load.loader import load
+    from gateway.core.models import build_served
+    from runtime.load import load
     from runtime.types import Finished, GenerationRequest, SamplingParams, TextDelta
 
     # EOS ignored: every run decodes the same number of tokens

@@ -30,7 +30,7 @@ backend.configure()
 
 import mlx.core as mx  # noqa: E402
 
-from runtime.cache.latent import LatentCache  # noqa: E402
+from runtime.cache import LatentCache  # noqa: E402
 from runtime.models.mla import (  # noqa: E402
     MLAConfig,
     MultiLatentAttention,

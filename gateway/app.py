@@ -20,8 +20,7 @@ from gateway.admin import MetricsMiddleware
 from gateway.core.auth import ApiKeyMiddleware
 from gateway.core.errors import APIError, InternalError
 from gateway.core.metrics import Metrics
-from gateway.core.models.registry import ModelRegistry
-from gateway.core.models.served import ServedModel
+from gateway.core.models import ModelRegistry, ServedModel
 from gateway.core.settings import ServerSettings
 
 log = logging.getLogger(__name__)

@@ -259,3 +259,41 @@ def test_the_cli_starts_without_mlx() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+# Packages whose __init__ is their public surface: the rest of the tree imports from them,
+# never from their modules. runtime.vision.spans is the one exception: it imports MLX, and
+# the CLI imports runtime.vision's preprocessing before the BLAS preload (see its __init__).
+SURFACES = (
+    "runtime.engine",
+    "runtime.batch",
+    "runtime.text",
+    "runtime.prefix",
+    "runtime.load",
+    "runtime.kernels",
+    "runtime.vision",
+    "runtime.cache",
+    "runtime.distributed",
+    "gateway.core.models",
+    "parsers.grammars",
+)
+SURFACE_EXCEPTIONS = frozenset({"runtime.vision.spans"})
+
+
+def test_packages_are_used_through_their_surface() -> None:
+    known = _known()
+    reaching = []
+    for module in known.values():
+        for node in ast.walk(module.tree):
+            if not isinstance(node, ast.ImportFrom) or node.level:
+                continue
+            base = node.module or ""
+            if base in SURFACE_EXCEPTIONS or base in SURFACES:
+                continue
+            for surface in SURFACES:
+                inside = module.name == surface or module.name.startswith(surface + ".")
+                if base.startswith(surface + ".") and not inside:
+                    names = [a.name for a in node.names if f"{base}.{a.name}" not in known]
+                    if names:
+                        reaching.append(f"{module.name}:{node.lineno} takes {names} from {base}")
+    assert not reaching, "import these from the package instead:\n" + "\n".join(reaching)

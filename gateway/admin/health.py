@@ -18,9 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from gateway.core.models.registry import ModelRegistry
-from gateway.core.models.status import ModelFacts, ModelStatus
-from runtime.engine.engine import EngineState
+from gateway.core.models import ModelFacts, ModelRegistry, ModelStatus
+from runtime.engine import EngineState
 
 _STATES = {
     EngineState.RUNNING: "ready",

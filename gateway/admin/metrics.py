@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.core.metrics import EngineView, Metrics
 
 if TYPE_CHECKING:
-    from gateway.core.models.registry import ModelRegistry
+    from gateway.core.models import ModelRegistry
 
 # the 0.0.4 text format is what generate_latest writes
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

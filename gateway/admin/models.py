@@ -12,8 +12,7 @@ from starlette.routing import Route
 
 from gateway.core.generation import output_bound, output_limit
 from gateway.core.http import server_settings
-from gateway.core.models.status import ModelFacts, ModelState, ModelStatus
-from gateway.core.models.use import registry_of
+from gateway.core.models import ModelFacts, ModelState, ModelStatus, registry_of
 from gateway.core.settings import ServerSettings
 
 

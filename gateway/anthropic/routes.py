@@ -36,8 +36,7 @@ from gateway.core.generation import (
     until_disconnect,
 )
 from gateway.core.http import read_json, server_settings, validate
-from gateway.core.models.served import ServedModel
-from gateway.core.models.use import with_model
+from gateway.core.models import ServedModel, with_model
 from gateway.core.plan import ChatPlan
 from gateway.core.prepare import Prepared, check_chat, new_parser, prepare
 from gateway.core.reply import Reply, parsed

@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 from gateway.cli.common import engine_settings, resolve
-from gateway.core.models.build import EngineSettings, build_served
-from gateway.core.models.served import ServedModel
+from gateway.core.models import EngineSettings, ServedModel, build_served
 from runtime.types import Finished, GenerationRequest, SamplingParams, TextDelta
 from templates.types import Message, RenderOptions
 

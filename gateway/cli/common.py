@@ -12,7 +12,7 @@ from pathlib import Path
 import templates
 from gateway.cli.errors import CliError
 from gateway.cli.store.store import Store
-from gateway.core.models.build import EngineSettings
+from gateway.core.models import EngineSettings
 from gateway.core.settings import API_KEY_ENV
 
 DEFAULT_MODEL = "smollm2-135m"

@@ -31,10 +31,10 @@ from gateway.core.errors import (
     RateLimited,
 )
 from gateway.core.metrics import Metrics
-from gateway.core.models.served import ServedModel
+from gateway.core.models import ServedModel
 from gateway.core.plan import CachePin
 from gateway.core.settings import ServerSettings
-from runtime.engine.engine import (
+from runtime.engine import (
     EngineFailure,
     EngineState,
     EngineStopped,

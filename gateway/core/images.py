@@ -24,7 +24,7 @@ from urllib.parse import urljoin, urlsplit
 
 from gateway.core.errors import InvalidRequest
 from runtime.types import PromptImage
-from runtime.vision.preprocess import (
+from runtime.vision import (
     ImageError,
     ImageLimits,
     ImageTooLarge,

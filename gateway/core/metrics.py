@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from runtime.engine.engine import EngineStats
+from runtime.engine import EngineStats
 from runtime.types import FinishReason, GenerationStats
 
 if TYPE_CHECKING:

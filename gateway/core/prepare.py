@@ -16,12 +16,12 @@ from gateway.core.images import (
     read_images,
     require_vision,
 )
-from gateway.core.models.served import ServedModel
+from gateway.core.models import ServedModel
 from gateway.core.plan import ChatPlan, has_images
 from gateway.core.structured import forced_call, request_constraint
 from parsers.events import Event
 from runtime.types import Constraint, PromptImage, ReasoningBudget
-from runtime.vision.preprocess import PreparedImage
+from runtime.vision import PreparedImage
 from templates import TURN_OPENERS, TemplateError
 
 log = logging.getLogger(__name__)

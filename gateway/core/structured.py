@@ -25,8 +25,7 @@ from typing import Any
 from gateway.core.errors import InvalidRequest
 from gateway.core.plan import ChatPlan
 from parsers.grammars import CallGrammar, call_grammar, custom_lark, free_calls
-from runtime.text.constraints import ConstraintError, check, json_schema_constraint, lark_constraint
-from runtime.text.tokenizer import Tokenizer
+from runtime.text import ConstraintError, Tokenizer, check, json_schema_constraint, lark_constraint
 from runtime.types import Constraint, ReasoningLead
 
 ANY_OBJECT: Mapping[str, Any] = {"type": "object"}

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.cli.errors import FAILED, CliError
 from gateway.core.errors import APIError
-from gateway.core.models.registry import ModelRegistry
+from gateway.core.models import ModelRegistry
 from gateway.core.settings import ServerSettings
 from gateway.server.head_deadline import head_deadline_protocol
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from parsers.grammars._common import GRAMMAR_KEY, Schema, containing, regex_literal
 from parsers.schema_types import alternatives
-from runtime.text.constraints import ConstraintError, check, lark_constraint
+from runtime.text import ConstraintError, check, lark_constraint
 
 # What the parser's `_parse_as` takes for each type (after stripping whitespace).
 _PARSES_AS = {

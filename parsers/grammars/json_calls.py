@@ -42,7 +42,7 @@ from parsers.grammars._common import (
     tool_defs,
 )
 from parsers.grammars.lark_regex import lark_to_regex
-from runtime.text.constraints import json_schema_rule
+from runtime.text import json_schema_rule
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"

@@ -29,7 +29,7 @@ from parsers.grammars._common import (
     tool_defs,
 )
 from parsers.grammars._values import value_form
-from runtime.text.constraints import json_schema_rule
+from runtime.text import json_schema_rule
 
 QC_TOOL, QC_TOOL_END = "<tool_call>", "</tool_call>"
 QC_FN, QC_FN_END = "<function=", "</function>"

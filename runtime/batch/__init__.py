@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from runtime.batch.generate import DEFAULT_PREFILL_CHUNK, generate_tokens
 from runtime.batch.handle import RequestHandle, ThreadSink, open_handle
+from runtime.batch.pacing import FUSED_SHARE
+from runtime.batch.prompt_prefill import keeps_on_the_way
 from runtime.batch.scheduler import Scheduler, SchedulerStats
 from runtime.batch.sequence import Seq, SequenceOutput
 
 __all__ = [
     "DEFAULT_PREFILL_CHUNK",
+    "FUSED_SHARE",
     "RequestHandle",
     "Scheduler",
     "SchedulerStats",
@@ -17,5 +20,6 @@ __all__ = [
     "SequenceOutput",
     "ThreadSink",
     "generate_tokens",
+    "keeps_on_the_way",
     "open_handle",
 ]

@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from runtime.cache.kv import reserve_prompt
-from runtime.text.sampling import Sampler, SampleResult
+from runtime.cache import reserve_prompt
+from runtime.text import Sampler, SampleResult
 
 DEFAULT_PREFILL_CHUNK = 2048
 

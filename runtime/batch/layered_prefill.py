@@ -33,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 
 from runtime.batch.prompt_prefill import PromptPrefill
-from runtime.cache.kv import KVCache
+from runtime.cache import KVCache
 from runtime.models.decoder import LayerStack
 
 

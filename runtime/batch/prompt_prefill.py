@@ -17,9 +17,8 @@ from typing import Any
 import mlx.core as mx
 
 from runtime.batch.generate import CausalLM
-from runtime.cache.kv import KVCache, reserve_prompt
-from runtime.cache.recurrent import RecurrentCache
-from runtime.prefix.cache import Lease
+from runtime.cache import KVCache, RecurrentCache, reserve_prompt
+from runtime.prefix import Lease
 from runtime.vision.spans import PromptImages
 
 

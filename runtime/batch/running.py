@@ -17,9 +17,8 @@ import mlx.core as mx
 from runtime.batch.generate import CausalLM, sample_arrays
 from runtime.batch.prompt_prefill import PromptPrefill
 from runtime.batch.sequence import Seq
-from runtime.cache.batch import BatchCaches
-from runtime.cache.ragged import RaggedCache
-from runtime.prefix.loan import RowState
+from runtime.cache import BatchCaches, RaggedCache
+from runtime.prefix import RowState
 from runtime.vision.spans import decode_forward
 
 # Every row in the list sampled its next token (`unread`, not yet read); a lockstep

@@ -39,16 +39,15 @@ from runtime.batch.pacing import ChunkPacing, chunk_size
 from runtime.batch.running import RunningBatch
 from runtime.batch.sequence import Seq, SequenceOutput
 from runtime.batch.trie_link import TrieLink
-from runtime.cache.batch import batchable
+from runtime.cache import batchable
 from runtime.models.base import fusable
-from runtime.prefix.cache import Lease, PrefixCache
-from runtime.prefix.loan import RowState
-from runtime.text.sampling import Sampler
+from runtime.prefix import Lease, PrefixCache, RowState
+from runtime.text import Sampler
 from runtime.types import Finished, FinishReason
 
 if TYPE_CHECKING:
     from runtime.batch.handle import RequestHandle
-    from runtime.text.constraints import TokenMatcher
+    from runtime.text import TokenMatcher
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from runtime.batch.generate import SampledToken, read_sampled
-from runtime.text.detokenizer import DetokenizerTable, StreamingDetokenizer
-from runtime.text.stops import StopMatcher
+from runtime.text import DetokenizerTable, StopMatcher, StreamingDetokenizer
 from runtime.types import (
     Finished,
     FinishReason,
@@ -31,8 +30,7 @@ if TYPE_CHECKING:
     from runtime.batch.handle import RequestHandle
     from runtime.batch.layered_prefill import LayeredChunk
     from runtime.batch.prompt_prefill import PromptPrefill
-    from runtime.text.constraints import TokenMatcher
-    from runtime.text.sampling import Sampler, SampleResult
+    from runtime.text import Sampler, SampleResult, TokenMatcher
     from runtime.vision.spans import PromptImages
 
 log = logging.getLogger(__name__)

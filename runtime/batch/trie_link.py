@@ -13,9 +13,8 @@ from typing import Any
 from runtime.batch.generate import CausalLM
 from runtime.batch.prompt_prefill import PromptPrefill
 from runtime.batch.sequence import Seq
-from runtime.cache.kv import KVCache
-from runtime.prefix.cache import Key, Lease, PrefixCache
-from runtime.prefix.loan import RowState
+from runtime.cache import KVCache
+from runtime.prefix import Key, Lease, PrefixCache, RowState
 from runtime.vision.spans import PromptImages
 
 

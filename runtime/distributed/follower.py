@@ -16,15 +16,15 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from runtime.batch.sequence import SequenceOutput
+from runtime.batch import SequenceOutput
 from runtime.distributed.channel import Channel, Command, Round, Watchdog
 from runtime.distributed.lockstep import DEFAULT_TIMEOUT_S, HELLO_WAIT_S, Lockstep
 from runtime.distributed.replica import Diverged, Placeholder, Replica, fingerprint, unwire
-from runtime.engine.runner import ModelRunner, RunnerSettings
+from runtime.engine import ModelRunner, RunnerSettings
 from runtime.types import FinishReason
 
 if TYPE_CHECKING:
-    from runtime.load.loaded import LoadedModel
+    from runtime.load import LoadedModel
 
 log = logging.getLogger(__name__)
 

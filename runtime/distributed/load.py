@@ -21,8 +21,7 @@ import mlx.core as mx
 from runtime.distributed.group import GroupLike, handle_of
 from runtime.distributed.pipeline import parameter_bytes
 from runtime.distributed.shard import Mode, shard_info, shard_model
-from runtime.load.loaded import LoadedModel
-from runtime.load.loader import load
+from runtime.load import LoadedModel, load
 from runtime.models.base import LanguageModel
 
 log = logging.getLogger(__name__)

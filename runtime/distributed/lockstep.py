@@ -69,12 +69,12 @@ from runtime.distributed.replica import (
     wire,
 )
 from runtime.distributed.shard import shard_info
-from runtime.engine.runner import ModelRunner, RunnerSettings
+from runtime.engine import ModelRunner, RunnerSettings
 from runtime.types import Finished, FinishReason
 
 if TYPE_CHECKING:
-    from runtime.batch.handle import RequestHandle
-    from runtime.load.loaded import LoadedModel
+    from runtime.batch import RequestHandle
+    from runtime.load import LoadedModel
 
 log = logging.getLogger(__name__)
 

@@ -14,16 +14,10 @@ from typing import Any, TypeVar, cast
 import mlx.core as mx
 import numpy as np
 
-from runtime.batch.handle import RequestHandle, ThreadSink
-from runtime.batch.pacing import FUSED_SHARE
-from runtime.batch.prompt_prefill import keeps_on_the_way
-from runtime.batch.scheduler import Scheduler
-from runtime.batch.sequence import Seq
+from runtime.batch import FUSED_SHARE, RequestHandle, Scheduler, Seq, ThreadSink, keeps_on_the_way
 from runtime.cache import LayerCache
-from runtime.prefix.cache import PrefixCache
-from runtime.prefix.plan import Plan, plan_restore
-from runtime.prefix.trie import Node
-from runtime.text.sampling import Sampler, SampleResult
+from runtime.prefix import Node, Plan, PrefixCache, plan_restore
+from runtime.text import Sampler, SampleResult
 from runtime.types import Finished, GenerationEvent, GenerationRequest, SamplingParams
 
 C = TypeVar("C", bound=LayerCache)

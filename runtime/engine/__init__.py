@@ -3,7 +3,7 @@ the runner that serves a loaded model's batch (see engine.py's docstring)."""
 
 from __future__ import annotations
 
-from runtime.batch.handle import RequestHandle
+from runtime.batch import RequestHandle
 from runtime.engine.engine import Engine
 from runtime.engine.runner import ModelRunner, RunnerSettings
 from runtime.engine.types import (

@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from runtime.batch.handle import RequestHandle as RequestHandle
+from runtime.batch import RequestHandle as RequestHandle
 from runtime.engine.request_queue import SHUTTING_DOWN as SHUTTING_DOWN
 from runtime.engine.request_queue import RequestQueue, ending
 

@@ -12,7 +12,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 
-from runtime.batch.handle import RequestHandle, open_handle
+from runtime.batch import RequestHandle, open_handle
 from runtime.engine.types import EngineFailure, EngineStats, QueueFull
 from runtime.types import Finished, FinishReason, GenerationRequest, GenerationStats
 

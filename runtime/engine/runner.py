@@ -18,21 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from runtime.batch.generate import DEFAULT_PREFILL_CHUNK
-from runtime.batch.scheduler import Scheduler
-from runtime.batch.sequence import SequenceOutput
-from runtime.prefix.cache import Lease, PrefixCache
-from runtime.prefix.disk.files import model_identity
-from runtime.prefix.disk.tier import DiskTier
-from runtime.prefix.report import CacheReport
-from runtime.text.constraints import GrammarVocabulary, TokenMatcher
-from runtime.text.detokenizer import DetokenizerTable
-from runtime.text.sampling import Sampler
+from runtime.batch import DEFAULT_PREFILL_CHUNK, Scheduler, SequenceOutput
+from runtime.prefix import CacheReport, DiskTier, Lease, PrefixCache, model_identity
+from runtime.text import DetokenizerTable, GrammarVocabulary, Sampler, TokenMatcher
 from runtime.types import Constraint, Finished, FinishReason
 
 if TYPE_CHECKING:
-    from runtime.batch.handle import RequestHandle
-    from runtime.load.loaded import LoadedModel
+    from runtime.batch import RequestHandle
+    from runtime.load import LoadedModel
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from runtime.batch.handle import RequestHandle
+from runtime.batch import RequestHandle
 from runtime.types import Finished, FinishReason
 
 

@@ -11,7 +11,7 @@ import queue
 from collections.abc import Callable, Iterable
 from typing import cast
 
-from runtime.batch.handle import RequestHandle
+from runtime.batch import RequestHandle
 from runtime.engine.request_queue import SHUTTING_DOWN, RequestQueue, ending, failure
 from runtime.engine.types import BatchRunner, EngineStats, Heartbeat, Runner
 from runtime.types import Finished, FinishReason

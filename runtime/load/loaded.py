@@ -16,8 +16,8 @@ from mlx.nn.layers.quantized import quantize
 from runtime import backend
 from runtime.models.base import LanguageModel
 from runtime.models.linear import choose_small_gemm
-from runtime.text.tokenizer import Tokenizer
-from runtime.vision.preprocess import VisionSpec
+from runtime.text import Tokenizer
+from runtime.vision import VisionSpec
 
 DTYPES: Mapping[str, mx.Dtype] = {
     "float32": mx.float32,

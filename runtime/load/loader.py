@@ -64,7 +64,7 @@ from runtime.load.quantized import (
     scales_dtype,
 )
 from runtime.models import build_model
-from runtime.text.tokenizer import Tokenizer, read_chat_template, token_ids
+from runtime.text import Tokenizer, read_chat_template, token_ids
 from runtime.vision.spans import vision_spec
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,7 @@ from mlx.nn.layers.base import Module
 from mlx.nn.layers.embedding import Embedding
 
 from runtime import kernels as cpu_kernels
-from runtime.cache import Cache, KVCache, Mask, RotatingKVCache, window_mask
-from runtime.cache.ragged import RaggedCache
+from runtime.cache import Cache, KVCache, Mask, RaggedCache, RotatingKVCache, window_mask
 from runtime.models.linear import Linear
 from runtime.models.rope import RoPE
 

@@ -19,8 +19,7 @@ from typing import Any, Self
 
 import mlx.core as mx
 
-from runtime.cache import Cache
-from runtime.cache.latent import LatentCache
+from runtime.cache import Cache, LatentCache
 from runtime.models.base import MLP, CausalLM, config_float, config_int
 from runtime.models.decoder import LayerStack, PreNormBlock, decoder_weights
 from runtime.models.mla import MLAConfig, MultiLatentAttention, fuse_absorbed_weights, make_rope

@@ -20,8 +20,7 @@ import numpy as np
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.embedding import Embedding
 
-from runtime.cache import Cache, Mask, window_mask
-from runtime.cache.ragged import RaggedCache
+from runtime.cache import Cache, Mask, RaggedCache, window_mask
 from runtime.models.base import (
     FULL_ATTENTION,
     MLP,

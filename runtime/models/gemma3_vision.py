@@ -28,7 +28,7 @@ from runtime.cache import Cache
 from runtime.models import gemma3
 from runtime.models.base import RMSNorm, config_int
 from runtime.models.siglip import VisionArgs, VisionTower
-from runtime.vision.preprocess import ImageLayout
+from runtime.vision import ImageLayout
 from runtime.vision.spans import VisionModel
 
 # checkpoint prefix -> our module's, tried in order

@@ -33,8 +33,7 @@ from mlx.nn.layers.base import Module
 from mlx.nn.layers.quantized import QuantizedLinear
 
 from runtime import kernels as cpu_kernels
-from runtime.cache.latent import LatentCache
-from runtime.cache.mask import Mask, window_mask
+from runtime.cache import LatentCache, Mask, window_mask
 from runtime.models.base import RMSNorm, attention, config_int
 from runtime.models.linear import Linear
 from runtime.models.rope import RoPE, RopeSpec, parse_rope

@@ -42,7 +42,7 @@ from runtime.models.decoder import LayerStack
 from runtime.models.qwen3_vision import VisionArgs, VisionTower, patchify
 from runtime.models.rope import Positions, default_inv_freq
 from runtime.types import PromptImage
-from runtime.vision.preprocess import GridResize, ImageLayout
+from runtime.vision import GridResize, ImageLayout
 from runtime.vision.spans import GridVision
 
 _VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")

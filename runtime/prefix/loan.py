@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from runtime.cache import KVCache
-from runtime.cache.kv import KVSnapshot
+from runtime.cache import KVCache, KVSnapshot
 
 # per layer, a row's keys and values from its first position (views, not copies)
 RowState = Sequence[tuple[mx.array, mx.array]]

@@ -14,9 +14,7 @@ from gateway.cli.common import DEFAULT_MODEL, bind_warning, client_url, engine_s
 from gateway.cli.errors import CliError
 from gateway.cli.serve import models as serve_models
 from gateway.cli.serve.models import ModelConfig
-from gateway.core.models.build import EngineSettings
-from gateway.core.models.memory import default_memory_budget
-from gateway.core.models.registry import ModelRegistry
+from gateway.core.models import EngineSettings, ModelRegistry, default_memory_budget
 from gateway.core.settings import DEFAULT_MAX_TOKENS, ServerSettings
 from gateway.server.run import run_server
 

@@ -40,18 +40,17 @@ from gateway.cli.errors import FAILED, CliError
 from gateway.cli.serve import models as serve_models
 from gateway.cli.serve.distributed_stop import GroupServer, leave
 from gateway.cli.serve.models import ModelConfig
-from gateway.core.models.build import EngineSettings, build_served
-from gateway.core.models.memory import default_memory_budget
-from gateway.core.models.registry import ModelRegistry
-from gateway.core.models.served import ServedModel
+from gateway.core.models import (
+    EngineSettings,
+    ModelRegistry,
+    ServedModel,
+    build_served,
+    default_memory_budget,
+)
 from gateway.core.settings import ServerSettings
 from gateway.server.run import run_server
-from runtime.distributed.channel import Channel
-from runtime.distributed.follower import follow
-from runtime.distributed.group import Group
-from runtime.distributed.load import load_sharded
-from runtime.distributed.lockstep import LockstepRunner
-from runtime.load.loaded import LoadedModel
+from runtime.distributed import Channel, Group, LockstepRunner, follow, load_sharded
+from runtime.load import LoadedModel
 
 log = logging.getLogger(__name__)
 

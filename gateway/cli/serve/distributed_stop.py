@@ -43,7 +43,7 @@ from gateway.cli.store.store import gateway_home
 from gateway.server.run import DrainingServer
 
 if TYPE_CHECKING:
-    from runtime.distributed.lockstep import LockstepRunner
+    from runtime.distributed import LockstepRunner
 
 log = logging.getLogger(__name__)
 

@@ -32,11 +32,16 @@ import parsers
 import templates
 from gateway.cli.common import resolve
 from gateway.cli.errors import CliError
-from gateway.core.models.build import SAMPLING_FIELDS, EngineSettings, build_served
-from gateway.core.models.memory import cache_budget, weight_file_bytes
-from gateway.core.models.served import ServedModel
-from gateway.core.models.spec import ModelSpec
-from runtime.load.loader import load
+from gateway.core.models import (
+    SAMPLING_FIELDS,
+    EngineSettings,
+    ModelSpec,
+    ServedModel,
+    build_served,
+    cache_budget,
+    weight_file_bytes,
+)
+from runtime.load import load
 
 if sys.version_info >= (3, 11):
     import tomllib

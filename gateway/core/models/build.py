@@ -18,8 +18,8 @@ from gateway.core.models.served import ServedModel
 from templates import MissingTemplateRenderer, builtin_family_for, renderer_for
 
 if TYPE_CHECKING:
-    from runtime.engine.runner import RunnerSettings
-    from runtime.load.loaded import LoadedModel
+    from runtime.engine import RunnerSettings
+    from runtime.load import LoadedModel
     from templates import Renderer
 
 log = logging.getLogger(__name__)
@@ -62,10 +62,8 @@ def build_served(
     ModelRunner (a distributed group's rank 0 leads its followers with its own)."""
     # imported on use: the CLI imports this module at start-up, before backend.configure(),
     # and the runner and the loader import MLX (the engine is not needed until now)
-    from runtime.engine.engine import Engine
-    from runtime.engine.runner import ModelRunner, RunnerSettings  # MLX: see above
-    from runtime.load.loaded import LoadedModel  # MLX: see above
-    from runtime.load.loader import load  # MLX: see above
+    from runtime.engine import Engine, ModelRunner, RunnerSettings  # MLX: see above
+    from runtime.load import LoadedModel, load  # MLX: see above
 
     settings = settings or EngineSettings()
     model = loaded if isinstance(loaded, LoadedModel) else load(path)

@@ -14,9 +14,8 @@ from gateway.core.errors import InvalidRequest
 from gateway.core.images import ImagePolicy
 
 if TYPE_CHECKING:
-    from runtime.engine.engine import Engine
-    from runtime.engine.runner import ModelRunner
-    from runtime.load.loaded import LoadedModel
+    from runtime.engine import Engine, ModelRunner
+    from runtime.load import LoadedModel
     from templates import Renderer
 
 log = logging.getLogger(__name__)

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 from gateway.core.models.served import ServedModel
 from gateway.core.models.spec import ModelSpec
 from gateway.core.models.status import ModelFacts, ModelState, ModelStatus, added_stats
-from runtime.engine.engine import EngineStats
+from runtime.engine import EngineStats
 
 if TYPE_CHECKING:
-    from runtime.engine.engine import Engine
+    from runtime.engine import Engine
 
 SHUTTING_DOWN = "the server is shutting down"  # why a load is refused once `closed`
 

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.core.models.served import ServedModel
 from gateway.core.models.spec import ModelSpec
-from runtime.engine.engine import EngineStats
+from runtime.engine import EngineStats
 
 if TYPE_CHECKING:
-    from runtime.engine.engine import EngineState
+    from runtime.engine import EngineState
 
 
 class ModelState(str, Enum):

@@ -22,7 +22,7 @@ from runtime.load.loaded import (
     resolve_dtype,
 )
 from runtime.models import build_model
-from runtime.text.tokenizer import token_ids
+from runtime.text import token_ids
 
 # gguf-py's Keys.General.SAMPLING_* (written by convert_hf_to_gguf.py from
 # generation_config.json) -> generation_config.json's own names

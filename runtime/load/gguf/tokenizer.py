@@ -31,7 +31,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from runtime.load.gguf.pretokenizers import pre_tokenizer
 from runtime.load.gguf.reader import GGUFFile
-from runtime.text.tokenizer import Tokenizer
+from runtime.text import Tokenizer
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 

@@ -13,10 +13,10 @@ from openai.types.responses import Response
 from gateway.core.errors import InternalError, NotFound
 from gateway.core.reply import Reply
 from gateway.openai.responses.adapt import response_plan
-from gateway.openai.responses.items import input_items, to_messages
-from gateway.openai.responses.tools import ToolRef, tool_plan
 from gateway.openai.responses.emit import ResponseBuilder, custom_input, envelope
+from gateway.openai.responses.items import input_items, to_messages
 from gateway.openai.responses.store import ReasoningSeal, ResponseStore
+from gateway.openai.responses.tools import ToolRef, tool_plan
 from gateway.openai.responses.wire import ResponsesRequest
 from parsers.events import Content, ToolCallArgs, ToolCallEnd, ToolCallStart
 from runtime.types import Finished, FinishReason, GenerationStats
