@@ -1,55 +1,22 @@
-"""Images in chat requests, for a model with vision: read each image's source (a data:
-URL, or an http(s) URL fetched under limits), decode and preprocess it (runtime.vision.preprocess),
-and put the model's placeholder for it in the prompt.
-
-Fetching refuses what a server should not reach on a client's behalf: schemes other
-than http and https (redirect targets included), and hosts that resolve to anything but
-public addresses (loopback, private, link-local, ...) unless the policy allows them. The
-connection goes to the address that was checked, so a second DNS answer cannot swap it.
-Every failure is a 400 that names the image and what is wrong.
+"""Images in chat requests, for a model with vision: read each image's source
+(image_fetch), decode and preprocess it (runtime.vision), and put the model's placeholder
+for it in the prompt. Every failure is a 400 that names the image and what is wrong.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import http.client
-import ipaddress
-import socket
-import ssl
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from urllib.parse import urljoin, urlsplit
 
 from gateway.core.errors import InvalidRequest
+from gateway.core.image_fetch import ImagePolicy, read_source
 from runtime.types import PromptImage
 from runtime.vision import (
     ImageError,
-    ImageLimits,
-    ImageTooLarge,
     PreparedImage,
     VisionSpec,
     prepare_image,
 )
 from templates.types import ImagePart, Message
-
-_REDIRECTS = frozenset({301, 302, 303, 307, 308})
-_READ = 64 * 1024
-
-
-class ImageFetchError(ImageError):
-    code = "image_fetch_failed"
-
-
-@dataclass(frozen=True)
-class ImagePolicy:
-    """Limits on a request's images, and how URLs are fetched."""
-
-    limits: ImageLimits = field(default_factory=ImageLimits)
-    fetch_timeout: float = 15.0  # seconds for one image, redirects included
-    max_redirects: int = 3
-    allow_private: bool = False  # fetch from loopback, private and link-local hosts
 
 
 def image_sources(messages: Sequence[Message]) -> list[str]:
@@ -172,174 +139,3 @@ def _short(source: str, most: int = 80) -> str:
     if source.startswith("data:"):
         return source[: source.find(",") + 1] + "..." if "," in source else "data:..."
     return source if len(source) <= most else source[: most - 3] + "..."
-
-
-def read_source(source: str, policy: ImagePolicy, used: int = 0) -> bytes:
-    """An image's encoded bytes; `used`: bytes the request's earlier images took."""
-    limits = policy.limits
-    room = min(limits.max_bytes, limits.max_total_bytes - used)
-    scheme = source.split(":", 1)[0].lower() if ":" in source else ""
-    if scheme == "data":
-        data = read_data_url(source, room)
-    elif scheme in ("http", "https"):
-        data = fetch(source, policy, room)
-    else:
-        raise ImageFetchError("an image's URL must be an http(s) URL or a data: URL")
-    limits.check_bytes(len(data), used + len(data))
-    return data
-
-
-def read_data_url(url: str, room: int) -> bytes:
-    """The bytes of a base64 data: URL, refusing more than `room` before decoding."""
-    header, comma, payload = url[len("data:") :].partition(",")
-    if not comma:
-        raise ImageError("a data: URL needs a comma before its data")
-    params = [p.strip().lower() for p in header.split(";")]
-    media = params[0]
-    if media and not media.startswith("image/"):
-        raise ImageError(f"the data: URL's media type is {media!r}, not an image type")
-    if "base64" not in params[1:]:
-        raise ImageError("an image data: URL must be base64 (data:image/png;base64,...)")
-    compact = "".join(payload.split())
-    if len(compact) // 4 * 3 > room:
-        raise ImageTooLarge(f"the image is over {room} bytes, the most accepted")
-    try:
-        return base64.b64decode(compact + "=" * (-len(compact) % 4), validate=True)
-    except (binascii.Error, ValueError):
-        raise ImageError("the data: URL's data is not valid base64") from None
-
-
-# -- fetching -------------------------------------------------------------------------
-
-
-class _PinnedHTTP(http.client.HTTPConnection):
-    """An HTTP connection to an already checked address (Host header still the name)."""
-
-    def __init__(self, host: str, port: int, address: str, timeout: float) -> None:
-        super().__init__(host, port, timeout=timeout)
-        self._address = address
-
-    def connect(self) -> None:
-        self.sock = socket.create_connection((self._address, self.port), self.timeout)
-
-
-class _PinnedHTTPS(http.client.HTTPSConnection):
-    """An HTTPS connection to an already checked address; the certificate is verified
-    against the host name (SNI and hostname check)."""
-
-    def __init__(self, host: str, port: int, address: str, timeout: float) -> None:
-        super().__init__(host, port, timeout=timeout)
-        self._address = address
-        self._tls = ssl.create_default_context()
-
-    def connect(self) -> None:
-        sock = socket.create_connection((self._address, self.port), self.timeout)
-        self.sock = self._tls.wrap_socket(sock, server_hostname=self.host)
-
-
-# IPv6 ranges that carry an IPv4 address in their last 32 bits (NAT64, IPv4-compatible)
-_CARRY_V4 = tuple(ipaddress.ip_network(n) for n in ("64:ff9b::/96", "64:ff9b:1::/48", "::/96"))
-
-
-def _public(address: str) -> bool:
-    """A global unicast address; an IPv6 one that carries an IPv4 address (mapped,
-    6to4, NAT64) only if that one is too."""
-    ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return _public(str(ip.ipv4_mapped))
-        inner = ip.sixtofour
-        if inner is None and any(ip in net for net in _CARRY_V4):
-            inner = ipaddress.IPv4Address(int(ip) & 0xFFFF_FFFF)
-        if inner is not None and not _public(str(inner)):
-            return False
-    return ip.is_global and not ip.is_multicast
-
-
-def _resolve(host: str, port: int, policy: ImagePolicy) -> str:
-    """The address to connect to: every address the name has must be allowed."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
-        raise ImageFetchError(f"the host {host!r} could not be resolved ({exc})") from None
-    addresses = [str(info[4][0]) for info in infos]
-    if not addresses:
-        raise ImageFetchError(f"the host {host!r} has no address")
-    if not policy.allow_private and not all(_public(a) for a in addresses):
-        raise ImageFetchError(
-            f"the host {host!r} is a loopback, private or link-local address; this server "
-            "fetches images from public hosts only (send the image as a data: URL, or "
-            "start the server with --allow-private-urls)"
-        )
-    return addresses[0]
-
-
-def fetch(url: str, policy: ImagePolicy, room: int) -> bytes:
-    """GET an image over http(s), following a few redirects (each target checked), at
-    most `room` bytes, within the policy's time."""
-    deadline = time.monotonic() + policy.fetch_timeout
-    for _ in range(policy.max_redirects + 1):
-        conn = _connect(url, policy, deadline)
-        try:
-            response = _get(conn, url)
-            if response.status in _REDIRECTS:
-                location = response.getheader("Location")
-                if not location:
-                    raise ImageFetchError(f"HTTP {response.status} without a Location")
-                url = urljoin(url, location)
-                continue
-            if response.status != 200:
-                raise ImageFetchError(f"fetching it answered HTTP {response.status}")
-            return _read_capped(response, room, deadline)
-        except (OSError, http.client.HTTPException) as exc:
-            raise ImageFetchError(
-                f"it could not be fetched ({type(exc).__name__}: {exc})"
-            ) from None
-        finally:
-            conn.close()
-    raise ImageFetchError(f"fetching it took more than {policy.max_redirects} redirects")
-
-
-def _connect(url: str, policy: ImagePolicy, deadline: float) -> http.client.HTTPConnection:
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        raise ImageFetchError("the image URL is malformed") from None
-    scheme = parts.scheme.lower()
-    if scheme not in ("http", "https"):
-        raise ImageFetchError("an image URL (or its redirect) must be http or https")
-    host = parts.hostname
-    if not host:
-        raise ImageFetchError("the image URL has no host")
-    port = port or (443 if scheme == "https" else 80)
-    address = _resolve(host, port, policy)
-    timeout = max(0.1, deadline - time.monotonic())
-    pinned = _PinnedHTTPS if scheme == "https" else _PinnedHTTP
-    return pinned(host, port, address, timeout)
-
-
-def _get(conn: http.client.HTTPConnection, url: str) -> http.client.HTTPResponse:
-    parts = urlsplit(url)
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    headers = {"User-Agent": "mlx-gateway", "Accept": "image/*"}
-    conn.request("GET", target, headers=headers)
-    return conn.getresponse()
-
-
-def _read_capped(response: http.client.HTTPResponse, room: int, deadline: float) -> bytes:
-    length = response.getheader("Content-Length")
-    if length is not None and length.isdigit() and int(length) > room:
-        raise ImageTooLarge(f"the image is {length} bytes; at most {room} are accepted")
-    chunks: list[bytes] = []
-    total = 0
-    while True:
-        chunk = response.read(_READ)
-        if not chunk:
-            return b"".join(chunks)
-        total += len(chunk)
-        if total > room:
-            raise ImageTooLarge(f"the image is over {room} bytes, the most accepted")
-        if time.monotonic() > deadline:
-            raise ImageFetchError("fetching it took too long")
-        chunks.append(chunk)

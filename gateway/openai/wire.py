@@ -1,5 +1,5 @@
 """OpenAI wire models (requests). Responses are built as plain dicts in
-gateway/openai_format.py and validated against the OpenAI SDK's own types in tests."""
+gateway/openai/emit.py and validated against the OpenAI SDK's own types in tests."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ MAX_CHOICES = 16
 
 class _Wire(BaseModel):
     # Unknown fields are accepted (and logged by the route); fields we know but
-    # cannot honour are refused explicitly in gateway/adapters.py.
+    # cannot honour are refused explicitly in gateway/openai/adapt.py.
     model_config = ConfigDict(extra="allow")
 
 

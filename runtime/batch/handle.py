@@ -67,14 +67,14 @@ class RequestHandle:
     def done(self) -> bool:
         return self._done is not None
 
-    def _emit(self, event: GenerationEvent) -> None:
+    def emit(self, event: GenerationEvent) -> None:
         if isinstance(event, Finished):
-            self._finish(event)
+            self.finish(event)
         elif self._done is None:
             self.tokens_out += len(event.token_ids)
             self._sink.put(event)
 
-    def _finish(self, done: Finished) -> bool:
+    def finish(self, done: Finished) -> bool:
         """Deliver the request's one Finished; a later one (the worker's, after the
         watchdog or a shutdown already ended the request) is dropped."""
         with self._done_lock:

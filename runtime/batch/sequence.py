@@ -83,7 +83,7 @@ class SequenceOutput:
             p.first_at = time.perf_counter()
         p.generated.append(sampled.token_id)
         logprobs = self._token_logprobs(sampled)
-        emit = self.handle._emit
+        emit = self.handle.emit
         if sampled.token_id in self._eos:
             text, _ = self._drain()
             emit(TextDelta(text, (sampled.token_id,), logprobs))
@@ -107,7 +107,7 @@ class SequenceOutput:
     def _end_at_length(self) -> None:
         tail, hit = self._drain()
         if tail:
-            self.handle._emit(TextDelta(tail))
+            self.handle.emit(TextDelta(tail))
         if hit or self._stops.stopped:
             self.progress.reason = FinishReason.STOP
             self.progress.stop_string = self._stops.matched

@@ -51,7 +51,7 @@ class Replica(RequestHandle):
 
     def _emit(self, event: GenerationEvent) -> None:
         if self.real is not None:
-            self.real._emit(event)
+            self.real.emit(event)
 
 
 def wire(serial: int, request: GenerationRequest, max_tokens: int) -> WireRequest:

@@ -88,7 +88,7 @@ class RequestQueue:
     # ending requests ---------------------------------------------------------------
     def finish(self, handle: RequestHandle, done: Finished) -> None:
         """The one way a request ends: deliver `done` unless it already ended."""
-        if not handle._finish(done):
+        if not handle.finish(done):
             return
         with self._lock:
             self._live.discard(handle)

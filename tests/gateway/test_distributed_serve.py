@@ -515,7 +515,7 @@ class StuckRunner:
 
     def step(self) -> list[tuple[RequestHandle, Finished]]:
         handle = self.rows[0]
-        handle._emit(TextDelta("x", (1,)))
+        handle.emit(TextDelta("x", (1,)))
         self.stepping.set()
         self.release.wait(30)
         return []

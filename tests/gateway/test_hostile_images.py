@@ -263,7 +263,7 @@ def _resolving(monkeypatch: pytest.MonkeyPatch, answers: dict[str, list[str]]) -
 def test_names_are_checked_by_the_addresses_they_resolve_to(
     monkeypatch: pytest.MonkeyPatch, image_host: str
 ) -> None:
-    from gateway.core.images import ImageFetchError, ImagePolicy, read_source
+    from gateway.core.image_fetch import ImageFetchError, ImagePolicy, read_source
 
     port = image_host.rsplit(":", 1)[1]
     _resolving(
@@ -287,7 +287,7 @@ def test_names_are_checked_by_the_addresses_they_resolve_to(
 def test_the_address_connected_to_is_the_one_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     """DNS rebinding: a name that answers a public address to the check and loopback
     afterwards is still connected at the public one, resolved once."""
-    from gateway.core.images import ImageFetchError, ImagePolicy, read_source
+    from gateway.core.image_fetch import ImageFetchError, ImagePolicy, read_source
 
     asked = _resolving(monkeypatch, {"rebind.example": ["93.184.216.34", "127.0.0.1"]})
     dialed: list[tuple[str, int]] = []
@@ -306,11 +306,11 @@ def test_redirects_to_private_hosts_or_other_schemes_are_refused(
     monkeypatch: pytest.MonkeyPatch, image_host: str
 ) -> None:
     """As if the image host were public: where it redirects is checked again."""
-    from gateway.core import images
-    from gateway.core.images import ImageFetchError, ImagePolicy, read_source
+    from gateway.core import image_fetch
+    from gateway.core.image_fetch import ImageFetchError, ImagePolicy, read_source
 
-    public = images._public
-    monkeypatch.setattr(images, "_public", lambda a: a == "127.0.0.1" or public(a))
+    public = image_fetch._public
+    monkeypatch.setattr(image_fetch, "_public", lambda a: a == "127.0.0.1" or public(a))
     assert read_source(f"{image_host}/to-ok", ImagePolicy()) == _Images.png
     with pytest.raises(ImageFetchError, match=r"'169\.254\.169\.254'.*public hosts only"):
         read_source(f"{image_host}/to-metadata", ImagePolicy())

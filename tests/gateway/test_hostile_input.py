@@ -75,7 +75,7 @@ class Runner:
         for n in range(handle.request.max_tokens):
             if handle.cancelled:
                 return Finished(FinishReason.CANCELLED, GenerationStats(prompt, n))
-            handle._emit(TextDelta(self.text, (n,)))
+            handle.emit(TextDelta(self.text, (n,)))
         return Finished(FinishReason.LENGTH, GenerationStats(prompt, n + 1))
 
 

@@ -22,7 +22,7 @@ from PIL import Image
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from gateway.core.images import ImageFetchError, ImagePolicy, read_data_url, read_source
+from gateway.core.image_fetch import ImageFetchError, ImagePolicy, read_data_url, read_source
 from gateway.core.models.build import build_served
 from runtime.vision.preprocess import (
     ImageLimits,

@@ -94,7 +94,7 @@ class HeldRunner:
         for n in range(handle.request.max_tokens):
             if handle.cancelled:
                 return Finished(FinishReason.CANCELLED, GenerationStats(prompt, n))
-            handle._emit(TextDelta(f"t{n} ", (n,)))
+            handle.emit(TextDelta(f"t{n} ", (n,)))
         return Finished(FinishReason.LENGTH, GenerationStats(prompt, handle.request.max_tokens))
 
 

@@ -201,7 +201,7 @@ class ScriptedRunner:
             if self.text is not None and n == len(self.text):
                 return Finished(FinishReason.STOP, GenerationStats(prompt, n))
             piece = f"t{n} " if self.text is None else self.text[n]
-            handle._emit(TextDelta(piece, (n,)))
+            handle.emit(TextDelta(piece, (n,)))
         return Finished(FinishReason.LENGTH, GenerationStats(prompt, n + 1))
 
 

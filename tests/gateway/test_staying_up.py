@@ -204,7 +204,7 @@ class HangingRunner:
         for handle, n in list(self.rows.items()):
             reason = FinishReason.CANCELLED if handle.cancelled else None
             if reason is None:
-                handle._emit(TextDelta("t ", (n,)))
+                handle.emit(TextDelta("t ", (n,)))
                 self.rows[handle] = n = n + 1
                 reason = FinishReason.LENGTH if n >= handle.request.max_tokens else None
             if reason is not None:

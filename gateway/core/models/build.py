@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gateway.core.capabilities import Capabilities, detect
-from gateway.core.images import ImagePolicy
+from gateway.core.image_fetch import ImagePolicy
 from gateway.core.models.memory import MIN_CACHE_BYTES, parameter_bytes
 from gateway.core.models.served import ServedModel
 from templates import MissingTemplateRenderer, builtin_family_for, renderer_for

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from gateway.core.capabilities import Capabilities
 from gateway.core.errors import InvalidRequest
-from gateway.core.images import ImagePolicy
+from gateway.core.image_fetch import ImagePolicy
 
 if TYPE_CHECKING:
     from runtime.engine import Engine, ModelRunner

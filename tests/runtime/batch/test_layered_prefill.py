@@ -173,7 +173,7 @@ def test_a_prompt_cancelled_halfway_through_a_chunk_leaves_a_sound_prefix(
 
     def step() -> None:
         for handle, finished in runner.step():
-            handle._finish(finished)
+            handle.finish(finished)
 
     running = admit(prompt(6, 1, VOCAB), 30)
     while sched.stats.running == 0 or sched.stats.decode_step_seconds <= 0:

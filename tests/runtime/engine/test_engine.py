@@ -40,7 +40,7 @@ class FakeRunner:
         for tok in req.prompt_tokens[: req.max_tokens]:
             if handle.cancelled:
                 return Finished(FinishReason.CANCELLED, GenerationStats(len(req.prompt_tokens), n))
-            handle._emit(TextDelta(str(tok), (tok,)))
+            handle.emit(TextDelta(str(tok), (tok,)))
             n += 1
         return Finished(FinishReason.LENGTH, GenerationStats(len(req.prompt_tokens), n))
 

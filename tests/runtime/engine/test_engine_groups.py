@@ -20,7 +20,7 @@ class GatedRunner:
     def run(self, handle: RequestHandle) -> Finished:
         self.gate.wait(10)
         self.order.append(handle.request.prompt_tokens[0])
-        handle._emit(TextDelta("x", (1,)))
+        handle.emit(TextDelta("x", (1,)))
         return Finished(FinishReason.LENGTH, GenerationStats(1, 1))
 
 

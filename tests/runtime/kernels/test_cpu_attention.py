@@ -1,4 +1,4 @@
-"""The CPU kernels (runtime/_cpu/kernels.c) against MLX's own ops, and their fallback.
+"""The CPU kernels (runtime/kernels/kernels.c) against MLX's own ops, and their fallback.
 
 The oracle is MLX: `mx.fast.scaled_dot_product_attention` (via `base.attention` with the
 kernels switched off) and MLX's activations. The tiny-model tests in test_models.py
