@@ -116,7 +116,8 @@ def _warm_up_ids(ids: list[int]) -> list[int]:
 
 
 def worker_render(gguf: Path, names: list[str], gen: int, fixtures: Path) -> dict[str, Any]:
-    from gateway.core.models import EngineSettings, build_served
+    from gateway.core.models import build_served
+    from gateway.core.settings import EngineSettings
 
     served = build_served(gguf, model_id=MODEL, settings=EngineSettings(prefix_cache_bytes=0))
     return {
@@ -160,7 +161,7 @@ def _engine_settings() -> Any:
     """The server's settings, cache off unless this process's environment says otherwise
     (the variables `mlx-gateway serve` reads, e.g. through --gateway-only-env)."""
     from gateway.cli.common import parse_bytes
-    from gateway.core.models import EngineSettings
+    from gateway.core.settings import EngineSettings
 
     env = os.environ
     return EngineSettings(

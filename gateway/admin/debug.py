@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from gateway.core.errors import NotFound
-from gateway.core.models import registry_of
+from gateway.core.with_model import registry_of
 
 
 async def prefix_cache(request: Request) -> JSONResponse:

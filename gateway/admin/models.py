@@ -12,8 +12,9 @@ from starlette.routing import Route
 
 from gateway.core.generation import output_bound, output_limit
 from gateway.core.http import server_settings
-from gateway.core.models import ModelFacts, ModelState, ModelStatus, registry_of
+from gateway.core.models import ModelFacts, ModelState, ModelStatus
 from gateway.core.settings import ServerSettings
+from gateway.core.with_model import registry_of
 
 
 def model_card(

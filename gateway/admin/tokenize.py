@@ -13,8 +13,9 @@ from starlette.routing import Route
 from gateway.core.errors import InvalidRequest, Unprocessable
 from gateway.core.http import read_json, validate
 from gateway.core.images import expand_markers, image_sources, read_images, require_vision
-from gateway.core.models import ServedModel, with_model
+from gateway.core.models import ServedModel
 from gateway.core.plan import render_options
+from gateway.core.with_model import with_model
 from gateway.openai import adapt as adapters
 from gateway.openai.wire import DetokenizeRequest, TokenizeRequest
 from templates import TemplateError

@@ -36,10 +36,11 @@ from gateway.core.generation import (
     until_disconnect,
 )
 from gateway.core.http import read_json, server_settings, validate
-from gateway.core.models import ServedModel, with_model
+from gateway.core.models import ServedModel
 from gateway.core.plan import ChatPlan
 from gateway.core.prepare import Prepared, check_chat, new_parser, prepare
 from gateway.core.reply import Reply, parsed
+from gateway.core.with_model import with_model
 
 log = logging.getLogger(__name__)
 

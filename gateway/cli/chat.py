@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from gateway.cli.common import engine_settings, resolve
-from gateway.core.models import EngineSettings, ServedModel, build_served
+from gateway.core.models import ServedModel, build_served
+from gateway.core.settings import EngineSettings
 from runtime.types import Finished, GenerationRequest, SamplingParams, TextDelta
 from templates.types import Message, RenderOptions
 

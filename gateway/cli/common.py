@@ -12,8 +12,7 @@ from pathlib import Path
 import templates
 from gateway.cli.errors import CliError
 from gateway.cli.store.store import Store
-from gateway.core.models import EngineSettings
-from gateway.core.settings import API_KEY_ENV
+from gateway.core.settings import API_KEY_ENV, EngineSettings
 
 DEFAULT_MODEL = "smollm2-135m"
 ENV_PREFIX = "MLX_GATEWAY_"

@@ -1,8 +1,10 @@
-"""What the HTTP side enforces: authentication, CORS, and limits on what a client may ask."""
+"""What the HTTP side enforces (authentication, CORS, limits on what a client may ask)
+and the engine settings a served model is built with."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 API_KEY_ENV = "MLX_GATEWAY_API_KEY"
@@ -45,3 +47,26 @@ class ServerSettings:
             raise ValueError("keepalive_seconds must be positive")
         if self.body_timeout_seconds <= 0 or self.head_timeout_seconds <= 0:
             raise ValueError("body_timeout_seconds and head_timeout_seconds must be positive")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    prefill_chunk: int = 2048
+    max_batch: int = 8  # sequences decoding together; 1 = one request at a time
+    max_queue: int = 64
+    prefix_cache_bytes: int | None = None  # None = the runtime's default share of memory
+    # the prefix cache's disk tier: a root holding one folder per model (None = none)
+    prefix_cache_dir: Path | None = None
+    prefix_cache_disk_bytes: int | None = None  # None = the runtime's default (8 GiB)
+    snapshot_interval: int = 1024
+    # what this server's models may take, weights and caches (None: no bound here) and
+    # this model's cache memory, batch and trie (None: the runtime's default); a model
+    # whose measured weights leave less room gets less (gateway/core/models/memory.py)
+    memory_budget: int | None = None
+    cache_memory_bytes: int | None = None
+    template_family: str | None = None  # force a built-in renderer
+    parser: str | None = None  # force an output parser
+    # the engine's watchdog fails and restarts a worker with work but no step this long
+    stall_seconds: float = 300.0
+    # fetch image URLs on loopback, private and link-local hosts (default: public only)
+    allow_private_urls: bool = False

@@ -30,8 +30,9 @@ from gateway.core.generation import (
     until_disconnect,
 )
 from gateway.core.http import read_json, server_settings, validate
-from gateway.core.models import ServedModel, with_model
+from gateway.core.models import ServedModel
 from gateway.core.settings import ServerSettings
+from gateway.core.with_model import with_model
 from gateway.openai import adapt as adapters
 from gateway.openai.emit import FINISH, TextStream, Usage, legacy_logprobs
 from gateway.openai.wire import CompletionRequest

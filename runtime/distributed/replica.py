@@ -40,7 +40,7 @@ class Replica(RequestHandle):
     on rank 0 its events go to the client's handle (`real`), elsewhere nowhere."""
 
     def __init__(self, serial: int, request: GenerationRequest, real: RequestHandle | None):
-        super().__init__(request, ThreadSink())  # the sink is never used: see _emit
+        super().__init__(request, ThreadSink())  # the sink is never used: see emit
         self.serial = serial
         self.real = real
         self.frozen = False  # cancelled, as of this step
@@ -49,7 +49,7 @@ class Replica(RequestHandle):
     def cancelled(self) -> bool:
         return self.frozen
 
-    def _emit(self, event: GenerationEvent) -> None:
+    def emit(self, event: GenerationEvent) -> None:
         if self.real is not None:
             self.real.emit(event)
 

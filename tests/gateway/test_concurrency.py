@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.core.models.build import EngineSettings, build_served
+from gateway.core.models.build import build_served
+from gateway.core.settings import EngineSettings
 from tests.support.live_server import live_server
 from tests.support.openai_checks import chat_body, chat_chunks, chat_texts, post, stream
 

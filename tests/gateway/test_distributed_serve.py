@@ -47,7 +47,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from gateway.core.models.build import EngineSettings, build_served
+from gateway.core.models.build import build_served
+from gateway.core.settings import EngineSettings
 from runtime.distributed.channel import Channel, Command, Round
 from runtime.distributed.replica import GroupMemory, LockstepPrefixCache
 from runtime.engine.engine import (

@@ -88,7 +88,7 @@ def vision(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
     --allow-private-urls starts it."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from gateway.core.models.build import EngineSettings
+    from gateway.core.settings import EngineSettings
     from tests.runtime.models.test_models_vision import save_tiny_vision
 
     folder = tmp_path_factory.mktemp("vision")

@@ -29,7 +29,7 @@ from gateway.cli.args import build_parser  # noqa: E402
 from gateway.cli.errors import CliError  # noqa: E402
 from gateway.cli.serve.command import model_registry  # noqa: E402
 from gateway.cli.serve.models import ModelConfig, from_flags, read_config  # noqa: E402
-from gateway.core.models.build import EngineSettings, build_served  # noqa: E402
+from gateway.core.models.build import build_served  # noqa: E402
 from gateway.core.models.memory import (  # noqa: E402
     MIN_CACHE_BYTES,
     cache_budget,
@@ -41,7 +41,7 @@ from gateway.core.models.registry import ModelRegistry  # noqa: E402
 from gateway.core.models.served import ServedModel  # noqa: E402
 from gateway.core.models.spec import ModelSpec  # noqa: E402
 from gateway.core.models.status import ModelState  # noqa: E402
-from gateway.core.settings import ServerSettings  # noqa: E402
+from gateway.core.settings import EngineSettings, ServerSettings  # noqa: E402
 from runtime.engine.engine import Engine, RequestHandle  # noqa: E402
 from runtime.types import Finished, FinishReason, GenerationStats, TextDelta  # noqa: E402
 from tests.support.agent_model import build_tiny_qwen3  # noqa: E402

@@ -14,8 +14,8 @@ from gateway.cli.common import DEFAULT_MODEL, bind_warning, client_url, engine_s
 from gateway.cli.errors import CliError
 from gateway.cli.serve import models as serve_models
 from gateway.cli.serve.models import ModelConfig
-from gateway.core.models import EngineSettings, ModelRegistry, default_memory_budget
-from gateway.core.settings import DEFAULT_MAX_TOKENS, ServerSettings
+from gateway.core.models import ModelRegistry, default_memory_budget
+from gateway.core.settings import DEFAULT_MAX_TOKENS, EngineSettings, ServerSettings
 from gateway.server.run import run_server
 
 

@@ -41,13 +41,12 @@ from gateway.cli.serve import models as serve_models
 from gateway.cli.serve.distributed_stop import GroupServer, leave
 from gateway.cli.serve.models import ModelConfig
 from gateway.core.models import (
-    EngineSettings,
     ModelRegistry,
     ServedModel,
     build_served,
     default_memory_budget,
 )
-from gateway.core.settings import ServerSettings
+from gateway.core.settings import EngineSettings, ServerSettings
 from gateway.server.run import run_server
 from runtime.distributed import Channel, Group, LockstepRunner, follow, load_sharded
 from runtime.load import LoadedModel

@@ -34,13 +34,13 @@ from gateway.cli.common import resolve
 from gateway.cli.errors import CliError
 from gateway.core.models import (
     SAMPLING_FIELDS,
-    EngineSettings,
     ModelSpec,
     ServedModel,
     build_served,
     cache_budget,
     weight_file_bytes,
 )
+from gateway.core.settings import EngineSettings
 from runtime.load import load
 
 if sys.version_info >= (3, 11):

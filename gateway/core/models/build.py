@@ -7,7 +7,6 @@ import logging
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,37 +14,15 @@ from gateway.core.capabilities import Capabilities, detect
 from gateway.core.image_fetch import ImagePolicy
 from gateway.core.models.memory import MIN_CACHE_BYTES, parameter_bytes
 from gateway.core.models.served import ServedModel
+from gateway.core.settings import EngineSettings
+from runtime.engine import Engine, ModelRunner, RunnerSettings
+from runtime.load import LoadedModel, load
 from templates import MissingTemplateRenderer, builtin_family_for, renderer_for
 
 if TYPE_CHECKING:
-    from runtime.engine import RunnerSettings
-    from runtime.load import LoadedModel
     from templates import Renderer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    prefill_chunk: int = 2048
-    max_batch: int = 8  # sequences decoding together; 1 = one request at a time
-    max_queue: int = 64
-    prefix_cache_bytes: int | None = None  # None = the runtime's default share of memory
-    # the prefix cache's disk tier: a root holding one folder per model (None = none)
-    prefix_cache_dir: Path | None = None
-    prefix_cache_disk_bytes: int | None = None  # None = the runtime's default (8 GiB)
-    snapshot_interval: int = 1024
-    # what this server's models may take, weights and caches (None: no bound here) and
-    # this model's cache memory, batch and trie (None: the runtime's default); a model
-    # whose measured weights leave less room gets less (gateway/core/models/memory.py)
-    memory_budget: int | None = None
-    cache_memory_bytes: int | None = None
-    template_family: str | None = None  # force a built-in renderer
-    parser: str | None = None  # force an output parser
-    # the engine's watchdog fails and restarts a worker with work but no step this long
-    stall_seconds: float = 300.0
-    # fetch image URLs on loopback, private and link-local hosts (default: public only)
-    allow_private_urls: bool = False
 
 
 def build_served(
@@ -60,11 +37,6 @@ def build_served(
     """Load `path` (or reuse an already `loaded` model) and wrap it for serving.
     `make_runner(loaded, runner_settings)` builds the engine's runner in place of a
     ModelRunner (a distributed group's rank 0 leads its followers with its own)."""
-    # imported on use: the CLI imports this module at start-up, before backend.configure(),
-    # and the runner and the loader import MLX (the engine is not needed until now)
-    from runtime.engine import Engine, ModelRunner, RunnerSettings  # MLX: see above
-    from runtime.load import LoadedModel, load  # MLX: see above
-
     settings = settings or EngineSettings()
     model = loaded if isinstance(loaded, LoadedModel) else load(path)
     renderer, caps = _renderer_and_caps(model, settings, model_id)

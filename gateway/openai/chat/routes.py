@@ -25,9 +25,10 @@ from gateway.core.generation import (
     until_disconnect,
 )
 from gateway.core.http import read_json, server_settings, validate
-from gateway.core.models import ServedModel, with_model
+from gateway.core.models import ServedModel
 from gateway.core.plan import ChatPlan
 from gateway.core.prepare import check_chat, new_parser, prepare
+from gateway.core.with_model import with_model
 from gateway.openai import adapt as adapters
 from gateway.openai.chat.output import ChatOutput
 from gateway.openai.emit import FINISH, ChatStream, Usage, logprobs_content

@@ -22,8 +22,8 @@ import pytest
 
 from gateway.anthropic import adapt, wire
 from gateway.anthropic.routes import prepare_messages
-from gateway.core.models.build import EngineSettings, build_served
-from gateway.core.settings import ServerSettings
+from gateway.core.models.build import build_served
+from gateway.core.settings import EngineSettings, ServerSettings
 from tests.support.anthropic_checks import (
     HELLO,
     MODEL,

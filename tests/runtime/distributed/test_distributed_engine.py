@@ -33,7 +33,7 @@ from tests.runtime.distributed.test_distributed_shard import launch_workers, sav
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = ROOT / "tests" / "support" / "distributed_engine_worker.py"
 MODES = ("tensor", "pipeline")
-LAUNCH_TIMEOUT = 300
+LAUNCH_TIMEOUT = 900  # a hang guard: four ranks share the cores with the other test worker
 # What four ranks add to two here is more than one follower and pipeline stages in the
 # middle; each architecture's own sharding over four ranks is test_distributed_shard's
 # [4]. So four ranks run one model per kind of cache a middle stage carries: plain KV,

@@ -22,10 +22,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.core.errors import Overloaded
 from gateway.core.generation import ErrorEvents, errors_as_events, openai_error_events
 from gateway.core.http import server_settings
-from gateway.core.models.registry import ModelRegistry
-from gateway.core.models.served import ServedModel
-from gateway.core.models.slots import Lease
-from gateway.core.models.spec import ModelSpec
+from gateway.core.models import Lease, ModelRegistry, ModelSpec, ServedModel
 
 log = logging.getLogger(__name__)
 
