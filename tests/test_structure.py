@@ -275,6 +275,7 @@ SURFACES = (
     "runtime.cache",
     "runtime.distributed",
     "gateway.core.models",
+    "gateway.server",
     "parsers.grammars",
 )
 SURFACE_EXCEPTIONS = frozenset({"runtime.vision.spans"})

@@ -30,7 +30,6 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.cli.errors import FAILED, CliError
 from gateway.core.errors import APIError
 from gateway.core.models import ModelRegistry
 from gateway.core.settings import ServerSettings
@@ -151,6 +150,11 @@ def startup_error(exc: BaseException) -> str:
 MakeServer = Callable[[uvicorn.Config, Starlette, float], DrainingServer]
 
 
+class StartupFailed(Exception):
+    """The server never accepted a connection: its default model did not load. The
+    message says why, in one line."""
+
+
 def run_server(
     app: Starlette,
     *,
@@ -162,7 +166,7 @@ def run_server(
 ) -> int:
     """Serve until a signal, drained as above (by `server`'s rules: a DrainingServer,
     or one that takes its signals otherwise); the process's exit status. A startup that
-    fails (the default model does not load) is a CliError."""
+    fails (the default model does not load) raises StartupFailed."""
     guard = StartupGuard(app)
     settings: ServerSettings = app.state.settings
     config = uvicorn.Config(
@@ -178,5 +182,5 @@ def run_server(
     except SystemExit:  # uvicorn's exit after a failed startup
         if guard.failure is None:
             raise
-        raise CliError(startup_error(guard.failure), FAILED) from None
+        raise StartupFailed(startup_error(guard.failure)) from None
     return 0

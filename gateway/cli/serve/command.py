@@ -11,12 +11,12 @@ from pathlib import Path
 
 from gateway.app import create_app
 from gateway.cli.common import DEFAULT_MODEL, bind_warning, client_url, engine_settings, env
-from gateway.cli.errors import CliError
+from gateway.cli.errors import FAILED, CliError
 from gateway.cli.serve import models as serve_models
 from gateway.cli.serve.models import ModelConfig
 from gateway.core.models import ModelRegistry, default_memory_budget
 from gateway.core.settings import DEFAULT_MAX_TOKENS, EngineSettings, ServerSettings
-from gateway.server.run import run_server
+from gateway.server import StartupFailed, run_server
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -45,13 +45,16 @@ def serve(args: argparse.Namespace) -> int:
     for spec in others:
         names = ", ".join(spec.names)
         print(f"mlx-gateway: and, loaded on first use, {names}", file=sys.stderr)
-    return run_server(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level.lower(),
-        grace=args.shutdown_grace,
-    )
+    try:
+        return run_server(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            grace=args.shutdown_grace,
+        )
+    except StartupFailed as exc:
+        raise CliError(str(exc), FAILED) from None
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:

@@ -47,7 +47,7 @@ from gateway.core.models import (
     default_memory_budget,
 )
 from gateway.core.settings import EngineSettings, ServerSettings
-from gateway.server.run import run_server
+from gateway.server import StartupFailed, run_server
 from runtime.distributed import Channel, Group, LockstepRunner, follow, load_sharded
 from runtime.load import LoadedModel
 
@@ -197,6 +197,8 @@ def _lead(
         )
     except BaseException as exc:
         runner.shutdown(f"rank 0's server failed: {type(exc).__name__}: {exc}")
+        if isinstance(exc, StartupFailed):
+            raise CliError(str(exc), FAILED) from None
         raise
     runner.shutdown()
     if runner.lost is not None:

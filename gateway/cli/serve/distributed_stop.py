@@ -40,7 +40,7 @@ from starlette.applications import Starlette
 
 from gateway.cli.errors import FAILED
 from gateway.cli.store.store import gateway_home
-from gateway.server.run import DrainingServer
+from gateway.server import DrainingServer
 
 if TYPE_CHECKING:
     from runtime.distributed import LockstepRunner
