@@ -1,4 +1,4 @@
-"""Builds the optional CPU kernels (runtime/kernels/kernels.c) next to the package.
+"""Builds the optional CPU kernels (runtime/kernels/*.c) next to the package.
 
 Everything else about the distribution is in pyproject.toml. The extension is a plain C
 shared library loaded with ctypes (runtime/kernels/bridge.py), not a Python module;
@@ -12,7 +12,7 @@ import sys
 
 from setuptools import Extension, setup
 
-# No -march=native: kernels.c picks AVX2+FMA code at run time, so a built wheel runs on
+# No -march=native: the kernels pick AVX2+FMA code at run time, so a built wheel runs on
 # any CPU of its platform. -Wno-psabi: its vector helpers are always inlined.
 _FLAGS = (
     []
@@ -24,7 +24,8 @@ setup(
     ext_modules=[
         Extension(
             "runtime.kernels._kernels",
-            sources=["runtime/kernels/kernels.c"],
+            sources=["runtime/kernels/kernels.c", "runtime/kernels/quantized.c"],
+            depends=["runtime/kernels/common.h"],
             extra_compile_args=_FLAGS,
             extra_link_args=[] if sys.platform == "win32" else ["-pthread"],
             optional=True,

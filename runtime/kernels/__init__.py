@@ -16,6 +16,7 @@ from runtime.kernels.bridge import (
     gemm_rows,
     kernels,
     linear,
+    quantized_matmul,
 )
 
 __all__ = [
@@ -29,4 +30,5 @@ __all__ = [
     "gemm_rows",
     "kernels",
     "linear",
+    "quantized_matmul",
 ]

@@ -13,43 +13,7 @@
  * No Python headers: the library is a plain shared object with a C ABI.
  */
 
-#include <pthread.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-/* the vector helpers are always inlined, so no 32-byte vector crosses a call boundary */
-#if defined(__clang__)
-#pragma clang diagnostic ignored "-Wpsabi"
-#elif defined(__GNUC__)
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
-
-#define EXPORT __attribute__((visibility("default")))
-#define INLINE static inline __attribute__((always_inline))
-#define UNROLL _Pragma("GCC unroll 8")
-
-#if defined(__x86_64__) || defined(__i386__)
-#define HAVE_X86_DISPATCH 1
-#define TARGET_AVX2 __attribute__((target("avx2,fma")))
-#else
-#define HAVE_X86_DISPATCH 0
-#endif
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-INLINE v8f vload(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-INLINE void vstore(float *p, v8f v) { memcpy(p, &v, sizeof v); }
-
-INLINE v8f vsplat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-
-INLINE v8i vsplati(int32_t x) { return (v8i){x, x, x, x, x, x, x, x}; }
+#include "common.h"
 
 INLINE v8f vselect(v8i mask, v8f yes, v8f no) {
     return (v8f)((mask & (v8i)yes) | (~mask & (v8i)no));
@@ -357,12 +321,6 @@ TARGET_AVX2 static void gated_avx2(int kind, const float *g, const float *u, flo
  * fused multiply-adds (8 accumulators, 4 + 2 inputs: 14 of the 16 AVX registers). Blocks
  * with more x rows than w rows (2x4, 3x4) measured slower: the w rows are the stream that
  * comes from memory, x's rows stay in cache, and the loads of x then bound the loop. */
-INLINE float hsum(v8f v) {
-    float t = 0.0f;
-    for (int i = 0; i < 8; i++) t += v[i];
-    return t;
-}
-
 INLINE float dot(const float *a, const float *b, int64_t depth) {
     int64_t vec = depth & ~(int64_t)7;
     v8f acc = {0};
@@ -461,15 +419,6 @@ typedef void (*GatedFn)(int, const float *, const float *, float *, int64_t);
 typedef void (*GemmFn)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t,
                        int64_t);
 
-static int use_avx2(int generic) {
-#if HAVE_X86_DISPATCH
-    return !generic && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-    (void)generic;
-    return 0;
-#endif
-}
-
 typedef struct {
     int64_t next; /* next work item, taken with an atomic add */
     int64_t total;
@@ -537,20 +486,6 @@ static void *gemm_worker(void *arg) {
         job->gemm_fn(job->x, job->w, job->out, job->rows, job->cols, job->depth, start, end);
     }
     return NULL;
-}
-
-/* Run `worker` on `threads` threads, the caller being one of them. A thread that cannot
- * be started leaves its share to the others. */
-static void run_threads(void *(*worker)(void *), Job *job, int threads) {
-    enum { MAX_THREADS = 256 };
-    pthread_t ids[MAX_THREADS];
-    int started = 0;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    for (int i = 1; i < threads; i++) {
-        if (pthread_create(&ids[started], NULL, worker, job) == 0) started++;
-    }
-    worker(job);
-    for (int i = 0; i < started; i++) pthread_join(ids[i], NULL);
 }
 
 /* Returns 0 on success, 1 for arguments it does not handle, 2 when out of memory. */

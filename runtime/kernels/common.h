@@ -1,0 +1,78 @@
+/* What the sources in runtime/kernels share: the vector type (GCC/clang vector extension,
+ * 8 floats), the run-time AVX2+FMA choice and the thread runner. Every function here is static, so
+ * each source gets its own copy and the library exports only the EXPORT functions. */
+
+#ifndef MLXGW_COMMON_H
+#define MLXGW_COMMON_H
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* the vector helpers are always inlined, so no 32-byte vector crosses a call boundary */
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wpsabi"
+#elif defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+#define EXPORT __attribute__((visibility("default")))
+#define INLINE static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 8")
+
+#if defined(__x86_64__) || defined(__i386__)
+#define HAVE_X86_DISPATCH 1
+#define TARGET_AVX2 __attribute__((target("avx2,fma")))
+#else
+#define HAVE_X86_DISPATCH 0
+#endif
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+INLINE v8f vload(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE void vstore(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+INLINE v8f vsplat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+INLINE v8i vsplati(int32_t x) { return (v8i){x, x, x, x, x, x, x, x}; }
+
+INLINE float hsum(v8f v) {
+    float t = 0.0f;
+    for (int i = 0; i < 8; i++) t += v[i];
+    return t;
+}
+
+/* 1 where the AVX2+FMA code should run: the CPU has it and the caller did not ask for the
+ * portable code (`generic`, for tests) */
+static inline int use_avx2(int generic) {
+#if HAVE_X86_DISPATCH
+    return !generic && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    (void)generic;
+    return 0;
+#endif
+}
+
+/* Run `worker(job)` on `threads` threads, the caller being one of them. A thread that
+ * cannot be started leaves its share to the others (workers take items from a shared
+ * counter until none is left). */
+static inline void run_threads(void *(*worker)(void *), void *job, int threads) {
+    enum { MAX_THREADS = 256 };
+    pthread_t ids[MAX_THREADS];
+    int started = 0;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    for (int i = 1; i < threads; i++) {
+        if (pthread_create(&ids[started], NULL, worker, job) == 0) started++;
+    }
+    worker(job);
+    for (int i = 0; i < started; i++) pthread_join(ids[i], NULL);
+}
+
+#endif
