@@ -60,7 +60,14 @@ from runtime.engine.engine import (
 )
 from runtime.types import Finished, FinishReason, GenerationRequest, TextDelta
 from tests.support.live_server import free_port, live_server, pid_alive
-from tests.support.openai_checks import chat_body, chat_chunks, error_of, post, stream
+from tests.support.openai_checks import (
+    chat_body,
+    chat_chunks,
+    error_of,
+    open_after,
+    post,
+    stream,
+)
 from tests.support.recurrent_model import FULL, RECURRENT, SLIDING, HybridModel
 
 MODEL = "tiny-split"
@@ -406,8 +413,14 @@ def test_a_healthy_group_stopped_drains_and_ends(
     with launched(split_model, "tensor", tmp_path) as group:
         pids = group.pid(0), group.pid(1)
         with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(stream, group.url, CHAT, _body(_user("A story."), 40))
-            _running(group, 1)
+            # the signal goes once the client has read a token: the generation is then
+            # decoding (polling /health could miss a short one), with most of it to go
+            decoding = threading.Event()
+            running = pool.submit(
+                stream, group.url, CHAT, _body(_user("A story."), 200),
+                on_line=open_after(decoding, 2, prefix="data:"),
+            )  # fmt: skip
+            assert decoding.wait(START_S), f"the generation never started:\n{group.output}"
             for pid in pids if sig == signal.SIGINT else pids[:1]:
                 os.kill(pid, sig)
             sse = running.result()
