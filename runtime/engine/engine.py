@@ -32,20 +32,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from runtime.batch import RequestHandle as RequestHandle
-from runtime.engine.request_queue import SHUTTING_DOWN as SHUTTING_DOWN
-from runtime.engine.request_queue import RequestQueue, ending
-
-# re-exported: the engine's API
-from runtime.engine.types import BatchRunner as BatchRunner
-from runtime.engine.types import EngineFailure as EngineFailure
-from runtime.engine.types import EngineHealth as EngineHealth
-from runtime.engine.types import EngineState as EngineState
-from runtime.engine.types import EngineStats as EngineStats
-from runtime.engine.types import EngineStopped as EngineStopped
-from runtime.engine.types import EngineUnavailable as EngineUnavailable
-from runtime.engine.types import QueueFull as QueueFull
-from runtime.engine.types import Runner as Runner
+from runtime.batch import RequestHandle
+from runtime.engine.request_queue import SHUTTING_DOWN, RequestQueue, ending
+from runtime.engine.types import (
+    BatchRunner,
+    EngineHealth,
+    EngineState,
+    EngineStats,
+    EngineStopped,
+    EngineUnavailable,
+    Runner,
+)
 from runtime.engine.watchdog import Watchdog
 from runtime.types import FinishReason, GenerationRequest
 

@@ -51,7 +51,7 @@ from gateway.core.models.build import build_served
 from gateway.core.settings import EngineSettings
 from runtime.distributed.channel import Channel, Command, Round
 from runtime.distributed.replica import GroupMemory, LockstepPrefixCache
-from runtime.engine.engine import (
+from runtime.engine import (
     Engine,
     EngineFailure,
     EngineState,

@@ -38,7 +38,7 @@ from safetensors.numpy import load_file, save_file
 
 from gateway.core.models.build import build_served
 from gateway.core.models.served import ServedModel
-from runtime.engine.engine import Engine
+from runtime.engine import Engine
 from runtime.prefix.disk.files import SUFFIX, TMP_SUFFIX, BadEntry, read_header
 from tests.gateway.test_staying_up import FaultyRunner
 from tests.support.anthropic_checks import check_error, check_message, check_stream, read_events

@@ -21,7 +21,7 @@ from gateway.core.settings import ServerSettings
 from gateway.openai import adapt as adapters
 from gateway.openai import wire
 from gateway.openai.emit import Usage, legacy_logprobs
-from runtime.engine.engine import EngineStats
+from runtime.engine import EngineStats
 from runtime.types import FinishReason, GenerationStats, SamplingParams, TokenLogprob, TopLogprob
 
 

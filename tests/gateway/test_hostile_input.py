@@ -38,7 +38,7 @@ from gateway.core import auth
 from gateway.core.models.build import build_served
 from gateway.core.models.served import ServedModel
 from gateway.core.settings import ServerSettings
-from runtime.engine.engine import Engine, RequestHandle
+from runtime.engine import Engine, RequestHandle
 from runtime.types import Finished, FinishReason, GenerationStats, TextDelta
 from templates import HFTemplateRenderer, Message, RenderOptions, TemplateError
 from templates.render_limits import RenderLimits

@@ -42,7 +42,7 @@ from gateway.core.models.served import ServedModel  # noqa: E402
 from gateway.core.models.spec import ModelSpec  # noqa: E402
 from gateway.core.models.status import ModelState  # noqa: E402
 from gateway.core.settings import EngineSettings, ServerSettings  # noqa: E402
-from runtime.engine.engine import Engine, RequestHandle  # noqa: E402
+from runtime.engine import Engine, RequestHandle  # noqa: E402
 from runtime.types import Finished, FinishReason, GenerationStats, TextDelta  # noqa: E402
 from tests.support.agent_model import build_tiny_qwen3  # noqa: E402
 from tests.support.anthropic_checks import (  # noqa: E402

@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 from gateway.core.models.build import build_served  # noqa: E402
 from gateway.core.models.served import ServedModel  # noqa: E402
 from gateway.core.settings import ServerSettings  # noqa: E402
-from runtime.engine.engine import Engine, RequestHandle  # noqa: E402
+from runtime.engine import Engine, RequestHandle  # noqa: E402
 from runtime.types import Finished, FinishReason, GenerationStats, TextDelta  # noqa: E402
 from templates import Message, Renderer, RenderOptions, TemplateError, Tool  # noqa: E402
 from tests.support.live_server import live_server  # noqa: E402

@@ -32,7 +32,7 @@ import pytest
 
 from gateway.core.models.build import build_served
 from gateway.core.models.served import ServedModel
-from runtime.engine.engine import BatchRunner, Engine, RequestHandle, Runner
+from runtime.engine import BatchRunner, Engine, RequestHandle, Runner
 from runtime.engine.runner import ModelRunner, RunnerSettings
 from runtime.types import Finished, FinishReason, GenerationStats, TextDelta
 from tests.support.anthropic_checks import check_error, read_events

@@ -37,7 +37,7 @@ from runtime.distributed import Group, load_sharded  # noqa: E402
 from runtime.distributed.channel import Channel  # noqa: E402
 from runtime.distributed.follower import follow  # noqa: E402
 from runtime.distributed.lockstep import LockstepRunner  # noqa: E402
-from runtime.engine.engine import Engine, RequestHandle  # noqa: E402
+from runtime.engine import Engine, RequestHandle  # noqa: E402
 from runtime.engine.runner import ModelRunner, RunnerSettings  # noqa: E402
 from runtime.models.base import fusable  # noqa: E402
 from runtime.types import Finished, GenerationRequest, SamplingParams, TextDelta  # noqa: E402

@@ -26,7 +26,7 @@ from gateway.core.metrics import (
     render,
     stat,
 )
-from runtime.engine.engine import EngineStats
+from runtime.engine import EngineStats
 from runtime.types import FinishReason, GenerationStats
 
 # every family /metrics had before prometheus_client, with its type

@@ -24,7 +24,7 @@ import tests.support.tiny_models as tiny_models
 from runtime.batch.generate import generate_tokens
 from runtime.batch.scheduler import Scheduler
 from runtime.cache.batch import BatchCaches
-from runtime.engine.engine import Engine
+from runtime.engine import Engine
 from runtime.engine.runner import ModelRunner, RunnerSettings
 from runtime.load.loader import load
 from runtime.text.sampling import Sampler

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.engine.engine import Engine, EngineStopped, QueueFull, RequestHandle
+from runtime.engine import Engine, EngineStopped, QueueFull, RequestHandle
 from runtime.types import (
     Finished,
     FinishReason,
@@ -147,7 +147,7 @@ def test_the_worker_releases_its_mlx_streams_when_it_ends(
 
 _EXIT_SCRIPT = """
 import mlx.core as mx
-from runtime.engine.engine import Engine
+from runtime.engine import Engine
 from runtime.types import Finished, FinishReason, GenerationRequest, GenerationStats
 
 class MatmulRunner:

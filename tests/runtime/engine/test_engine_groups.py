@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from runtime.engine.engine import Engine, QueueFull, RequestHandle
+from runtime.engine import Engine, QueueFull, RequestHandle
 from runtime.types import Finished, FinishReason, GenerationRequest, GenerationStats, TextDelta
 
 

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 from mlx.nn.layers.quantized import quantize as quantize_modules
 from mlx.utils import tree_flatten
 
-from runtime.engine.engine import Engine
+from runtime.engine import Engine
 from runtime.engine.runner import ModelRunner, RunnerSettings
 from runtime.load.loader import load
 from runtime.models import build_model, supported_model_types

@@ -27,7 +27,7 @@ from PIL import Image  # noqa: E402
 
 from gateway.core.images import expand_markers, place_images  # noqa: E402
 from gateway.core.models.build import build_served  # noqa: E402
-from runtime.engine.engine import Engine  # noqa: E402
+from runtime.engine import Engine  # noqa: E402
 from runtime.engine.runner import ModelRunner, RunnerSettings  # noqa: E402
 from runtime.load.loader import load  # noqa: E402
 from runtime.models import qwen3_vision  # noqa: E402

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from PIL import Image  # noqa: E402
 
-from runtime.engine.engine import Engine  # noqa: E402
+from runtime.engine import Engine  # noqa: E402
 from runtime.engine.runner import ModelRunner, RunnerSettings  # noqa: E402
 from runtime.load.loader import load  # noqa: E402
 from runtime.models import build_model  # noqa: E402

@@ -33,7 +33,7 @@ from gateway.cli.common import engine_settings
 from gateway.core.models.build import model_folder
 from runtime.cache import KVCache, LatentCache, RecurrentCache, RotatingKVCache
 from runtime.cache.codec import Encoded, decode, encode
-from runtime.engine.engine import Engine, RequestHandle
+from runtime.engine import Engine, RequestHandle
 from runtime.engine.runner import ModelRunner, RunnerSettings
 from runtime.load.loader import load
 from runtime.prefix.cache import Key, PrefixCache, image_keys
