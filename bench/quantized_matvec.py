@@ -4,14 +4,14 @@ For each weight shape (K x N: Qwen2.5-0.5B's MLP and 7B's MLP), rows of x (1: on
 stream; 8: a batched decode step) and bit width (group 64), three ways to compute
 x @ W.T on the CPU, each timed as the median of several runs after a warm-up:
 
-  ours     runtime.kernels.quantized_matmul on the packed weights (numpy in, numpy out)
+  ours     runtime.kernels.qmatmul on the packed weights (the MLX primitive)
   mlx-q    mx.quantized_matmul on the same packed arrays (MLX's CPU kernel)
   blas     a float32 matmul of the dequantized weight (what the CPU serves today)
 
 and prints the times, the ratios peer/ours (above 1: ours is faster), the packed weight
 bytes one call reads (weights, scales, biases) and the rate ours reads them at.
 
-    python bench/quantized_matvec.py [--repeats 7] [--threads N]
+    python bench/quantized_matvec.py [--repeats 7]   (threads: MLX_GATEWAY_CPU_THREADS)
 """
 
 from __future__ import annotations
@@ -49,20 +49,19 @@ def _seconds(run: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _row(depth: int, cols: int, rows: int, bits: int, repeats: int, threads: int | None) -> str:
+def _row(depth: int, cols: int, rows: int, bits: int, repeats: int) -> str:
     rng = np.random.default_rng(0)
     weight = mx.array(rng.standard_normal((cols, depth), dtype=np.float32) * 0.02)
     xm = mx.array(rng.standard_normal((rows, depth), dtype=np.float32))
     packed = mx.quantize(weight, group_size=GROUP, bits=bits)
     dense = mx.dequantize(*packed, group_size=GROUP, bits=bits)
     mx.eval(xm, dense, *packed)
-    w, scales, biases = (np.asarray(a) for a in packed)
-    x = np.asarray(xm)
+    w, scales, biases = packed
 
     def ours() -> object:
-        return kernels.quantized_matmul(
-            x, w, scales, biases, bits=bits, group_size=GROUP, threads=threads
-        )
+        out = kernels.qmatmul(xm, *packed, group_size=GROUP, bits=bits)
+        mx.eval(out)
+        return out
 
     def mlx_q() -> object:
         out = mx.quantized_matmul(xm, *packed, transpose=True, group_size=GROUP, bits=bits)
@@ -86,14 +85,14 @@ def _row(depth: int, cols: int, rows: int, bits: int, repeats: int, threads: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=None, help="default: the CPU count")
     args = parser.parse_args()
     mx.set_default_device(mx.cpu)
-    loaded = kernels.kernels()
-    if loaded is None:
-        sys.exit("the CPU kernels are not built (pip install -e . builds them)")
-    threads = args.threads or loaded.threads
-    print(f"kernels: {loaded.isa}, {threads} threads; BLAS: {backend.blas_choice()}")
+    if kernels.extension() is None:
+        sys.exit("the MLX extension is not built (pip install -e . builds it)")
+    print(
+        f"{kernels.thread_count()} threads (MLX_GATEWAY_CPU_THREADS), int8 activations "
+        f"unless MLX_GATEWAY_CPU_INT8=0; BLAS: {backend.blas_choice()}"
+    )
     print(
         f"{'K x N':>13} {'rows':>4} {'bits':>4} {'ours ms':>9} {'mlx-q ms':>9} {'blas ms':>9} "
         f"{'mlx-q/us':>8} {'blas/us':>8} {'MiB read':>8} {'GB/s':>7}"
@@ -101,7 +100,7 @@ def main() -> None:
     for depth, cols in SHAPES:
         for rows in (1, 8):
             for bits in (4, 8):
-                print(_row(depth, cols, rows, bits, args.repeats, threads), flush=True)
+                print(_row(depth, cols, rows, bits, args.repeats), flush=True)
 
 
 if __name__ == "__main__":

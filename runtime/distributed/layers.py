@@ -359,12 +359,11 @@ class QuantizedRowParallelLinear(Module):
         self.freeze()
 
     def __call__(self, x: mx.array) -> mx.array:
-        out = mx.quantized_matmul(
+        out = cpu_kernels.qmatmul(
             x,
             self["weight"],
-            scales=self["scales"],
-            biases=self.get("biases"),
-            transpose=True,
+            self["scales"],
+            self.get("biases"),
             group_size=self.group_size,
             bits=self.bits,
             mode=self.mode,

@@ -1,6 +1,8 @@
-"""Compiled CPU kernels for MLX's CPU backend (kernels.c) and their one Python bridge
-(bridge.py). Each call returns None when the kernels do not apply or are not built: the
-caller then runs its MLX-ops path. Callers use the package as a namespace:
+"""Compiled CPU kernels for MLX's CPU backend: kernels.c through ctypes (bridge.py), and
+the quantized products as MLX primitives (ext/, primitives.py). A ctypes kernel returns
+None when it does not apply or is not built, and the caller runs its MLX-ops path;
+`qmatmul` and `dequantize` choose between the primitive and MLX's op themselves.
+Callers use the package as a namespace:
 ``from runtime import kernels as cpu_kernels; cpu_kernels.attention(...)``."""
 
 from __future__ import annotations
@@ -16,7 +18,15 @@ from runtime.kernels.bridge import (
     gemm_rows,
     kernels,
     linear,
-    quantized_matmul,
+    thread_count,
+)
+from runtime.kernels.primitives import (
+    SMALL_ROWS,
+    dequantize,
+    expected,
+    extension,
+    qmatmul,
+    quantized_ready,
 )
 
 __all__ = [
@@ -24,11 +34,17 @@ __all__ = [
     "ENV_SWITCH",
     "ENV_THREADS",
     "MIN_ROWS",
+    "SMALL_ROWS",
     "Kernels",
     "attention",
+    "dequantize",
+    "expected",
+    "extension",
     "gated_mul",
     "gemm_rows",
     "kernels",
     "linear",
-    "quantized_matmul",
+    "qmatmul",
+    "quantized_ready",
+    "thread_count",
 ]

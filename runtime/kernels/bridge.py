@@ -5,9 +5,10 @@ a long prompt's attention and the MLP's activation cost more than the matmuls ar
 `runtime/kernels/kernels.c`, compiled by `pip install` into a plain shared library, does
 the same maths with a vectorised exp and several threads: attention as blocked
 attention with an online softmax (causal or unmasked, grouped KV heads), and the gated
-MLP's ``act(gate) * up`` for silu and tanh-gelu. `quantized_matmul` (quantized.c) is the
-decode-sized product with MLX's 4- and 8-bit affine weights, on numpy arrays; it is not
-yet called by the models.
+MLP's ``act(gate) * up`` for silu and tanh-gelu. The quantized products (quantized.c,
+qdot.c) are MLX primitives instead (primitives.py): ctypes would break a decode step's
+lazy graph at every layer (Qwen2.5-0.5B at 4 bits, one stream, the same float kernel
+behind both: 105 ms a step through the primitive, 121-155 ms through ctypes).
 
 The bridge evaluates its inputs (`mx.eval`), hands the kernels zero-copy numpy views of
 MLX's CPU buffers, runs them with the GIL released (ctypes does) and wraps the result
@@ -153,9 +154,6 @@ def _load(path: Path | None) -> Kernels | None:
         lib.mlxgw_small_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         lib.mlxgw_small_gemm.argtypes += [ctypes.c_int32] * 2
         lib.mlxgw_small_gemm.restype = ctypes.c_int
-        lib.mlxgw_quantized_matmul.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
-        lib.mlxgw_quantized_matmul.argtypes += [ctypes.c_int32] * 4
-        lib.mlxgw_quantized_matmul.restype = ctypes.c_int
         lib.mlxgw_isa.argtypes = [ctypes.c_int32]
         lib.mlxgw_isa.restype = ctypes.c_char_p
     except (OSError, AttributeError) as exc:
@@ -316,65 +314,3 @@ def linear(x: mx.array, weight: mx.array) -> mx.array | None:
         weight.shape[1], threads, int(lib.generic),
     )  # fmt: skip
     return mx.array(out) if status == 0 else None
-
-
-QUANTIZED_BITS = (4, 8)
-QUANTIZED_GROUP_SIZES = (32, 64, 128)
-
-
-def quantized_matmul(
-    x: np.ndarray[Any, Any],
-    w: np.ndarray[Any, Any],
-    scales: np.ndarray[Any, Any],
-    biases: np.ndarray[Any, Any],
-    *,
-    bits: int,
-    group_size: int,
-    threads: int | None = None,
-    generic: bool = False,
-) -> np.ndarray[Any, np.dtype[np.float32]] | None:
-    """x @ W.T for W as `mx.quantize(W, group_size, bits)` gave (w, scales, biases), in C.
-
-    x is float32 (..., K); the result float32 (..., N). None when the library is not built;
-    ValueError for shapes or formats the kernel does not take (`QUANTIZED_BITS`,
-    `QUANTIZED_GROUP_SIZES`, K a multiple of the group size). `threads` defaults to the
-    library's count; `generic` (or MLX_GATEWAY_CPU_ISA=generic) runs the portable code.
-    The environment switch and the device are the caller's to check.
-    """
-    if bits not in QUANTIZED_BITS or group_size not in QUANTIZED_GROUP_SIZES:
-        raise ValueError(f"no quantized kernel for {bits} bits in groups of {group_size}")
-    depth = x.shape[-1] if x.ndim else 0
-    cols = w.shape[0] if w.ndim == 2 else 0
-    groups = depth // group_size
-    if (
-        x.ndim == 0
-        or depth % group_size
-        or w.shape != (cols, depth * bits // 32)
-        or scales.shape != (cols, groups)
-        or biases.shape != (cols, groups)
-        or min(cols, groups) < 1
-    ):
-        raise ValueError(
-            f"quantized matmul shapes: x {x.shape}, w {w.shape}, scales {scales.shape}, "
-            f"biases {biases.shape} for {bits} bits in groups of {group_size}"
-        )
-    lib = load()
-    if lib is None:
-        return None
-    xn = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, depth)
-    wn = np.ascontiguousarray(w, dtype=np.uint32)
-    sn = np.ascontiguousarray(scales, dtype=np.float32)
-    bn = np.ascontiguousarray(biases, dtype=np.float32)
-    out = np.empty((*x.shape[:-1], cols), dtype=np.float32)
-    if xn.shape[0] == 0:
-        return out
-    status = lib.lib.mlxgw_quantized_matmul(
-        xn.ctypes.data, wn.ctypes.data, sn.ctypes.data, bn.ctypes.data, out.ctypes.data,
-        xn.shape[0], depth, cols, bits, group_size, lib.threads if threads is None else threads,
-        int(generic or lib.generic),
-    )  # fmt: skip
-    if status == 1:
-        raise ValueError(f"the quantized kernel refused {bits} bits in groups of {group_size}")
-    if status != 0:
-        raise MemoryError("the quantized kernel could not allocate its scratch")
-    return out

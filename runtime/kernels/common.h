@@ -60,10 +60,10 @@ static inline int use_avx2(int generic) {
 #endif
 }
 
-/* Run `worker(job)` on `threads` threads, the caller being one of them. A thread that
- * cannot be started leaves its share to the others (workers take items from a shared
- * counter until none is left). */
-static inline void run_threads(void *(*worker)(void *), void *job, int threads) {
+/* Run `worker(job)` on `threads` threads that start for this call, the caller being one
+ * of them. A thread that cannot be started leaves its share to the others (workers take
+ * items from a shared counter until none is left). */
+static inline void spawn_threads(void *(*worker)(void *), void *job, int threads) {
     enum { MAX_THREADS = 256 };
     pthread_t ids[MAX_THREADS];
     int started = 0;
@@ -73,6 +73,14 @@ static inline void run_threads(void *(*worker)(void *), void *job, int threads) 
     }
     worker(job);
     for (int i = 0; i < started; i++) pthread_join(ids[i], NULL);
+}
+
+/* The same on the persistent pool's threads (pool.c). */
+__attribute__((visibility("hidden"))) void mlxgw_pool_run(void *(*worker)(void *), void *job,
+                                                          int threads);
+
+static inline void run_threads(void *(*worker)(void *), void *job, int threads) {
+    mlxgw_pool_run(worker, job, threads);
 }
 
 #endif

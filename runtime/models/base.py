@@ -9,11 +9,10 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx.nn.layers.activations import gelu, silu
 from mlx.nn.layers.base import Module
-from mlx.nn.layers.embedding import Embedding
 
 from runtime import kernels as cpu_kernels
 from runtime.cache import Cache, KVCache, Mask, RaggedCache, RotatingKVCache, window_mask
-from runtime.models.linear import Linear
+from runtime.models.linear import Embedding, Linear
 from runtime.models.rope import RoPE
 
 FULL_ATTENTION = "full_attention"

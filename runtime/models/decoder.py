@@ -13,7 +13,6 @@ from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
-from mlx.nn.layers.embedding import Embedding
 
 from runtime.models.base import (
     FULL_ATTENTION,
@@ -25,6 +24,7 @@ from runtime.models.base import (
     config_float,
     config_int,
 )
+from runtime.models.linear import Embedding
 from runtime.models.rope import RoPE, RopeSpec, parse_rope
 
 _T = TypeVar("_T", bound="DecoderArgs")

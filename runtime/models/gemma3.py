@@ -18,7 +18,6 @@ from typing import Any, TypeAlias
 import mlx.core as mx
 import numpy as np
 from mlx.nn.layers.base import Module
-from mlx.nn.layers.embedding import Embedding
 
 from runtime.cache import Cache, Mask, RaggedCache, window_mask
 from runtime.models.base import (
@@ -32,6 +31,7 @@ from runtime.models.base import (
     config_int,
     optional_float,
 )
+from runtime.models.linear import Embedding
 from runtime.models.rope import RoPE, RopeSpec, parse_rope
 
 # [start, end) of each image's positions within a prefill chunk, in order

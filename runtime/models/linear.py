@@ -1,4 +1,8 @@
-"""The linear layer every architecture uses: MLX's, plus the CPU's few-rows kernel.
+"""The linear and embedding layers every architecture uses: MLX's, plus the CPU kernels.
+
+Quantized, they multiply through `runtime.kernels.qmatmul`: the CPU's MLX primitive
+(runtime/kernels/ext) where it is loaded, MLX's own quantized matmul elsewhere. A model
+gets them from `nn.quantize`, which asks each layer's `to_quantized`.
 
 A decode step multiplies one row per running sequence by every weight matrix. On the CPU
 that is a matter of reading the weights once, which runtime/kernels/bridge.py's
@@ -20,7 +24,10 @@ from collections import defaultdict
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
+from mlx.nn.layers.embedding import Embedding as _MLXEmbedding
 from mlx.nn.layers.linear import Linear as _MLXLinear
+from mlx.nn.layers.quantized import QuantizedEmbedding as _MLXQuantizedEmbedding
+from mlx.nn.layers.quantized import QuantizedLinear as _MLXQuantizedLinear
 
 from runtime import kernels as cpu_kernels
 
@@ -37,6 +44,62 @@ class Linear(_MLXLinear):
         if out is None:
             return super().__call__(x)
         return out + self.bias if "bias" in self else out
+
+    def to_quantized(
+        self,
+        group_size: int | None = None,
+        bits: int | None = None,
+        mode: str = "affine",
+        quantize_input: bool = False,
+    ) -> QuantizedLinear:
+        if quantize_input:
+            raise ValueError("quantized inputs are not supported")
+        # None: MLX takes the mode's defaults (its stubs say int)
+        return QuantizedLinear.from_linear(self, group_size, bits, mode)  # type: ignore[arg-type]
+
+
+class QuantizedLinear(_MLXQuantizedLinear):
+    def __call__(self, x: mx.array) -> mx.array:
+        out = cpu_kernels.qmatmul(
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
+        return out + self["bias"] if "bias" in self else out
+
+
+class Embedding(_MLXEmbedding):
+    def to_quantized(
+        self,
+        group_size: int | None = None,
+        bits: int | None = None,
+        mode: str = "affine",
+        quantize_input: bool = False,
+    ) -> QuantizedEmbedding:
+        if quantize_input:
+            raise ValueError("quantized inputs are not supported")
+        # None: MLX takes the mode's defaults (its stubs say int)
+        return QuantizedEmbedding.from_embedding(self, group_size, bits, mode)  # type: ignore[arg-type]
+
+
+class QuantizedEmbedding(_MLXQuantizedEmbedding):
+    """Looking up rows dequantizes only those rows (MLX's op); a tied output head
+    multiplies through `qmatmul`."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return cpu_kernels.qmatmul(
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
 
 
 def choose_small_gemm(model: object) -> None:

@@ -259,7 +259,7 @@ class MultiLatentAttention(Module):
         layer = self.kv_b_proj
         if isinstance(layer, QuantizedLinear):
             weight, scales, *biases = arrays
-            return mx.quantized_matmul(
+            return cpu_kernels.qmatmul(
                 x,
                 weight,
                 scales,

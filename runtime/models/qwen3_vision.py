@@ -27,11 +27,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.nn.layers.activations import gelu
 from mlx.nn.layers.base import Module
-from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.normalization import LayerNorm
 
 from runtime.models.base import activation, attention, config_int
-from runtime.models.linear import Linear
+from runtime.models.linear import Embedding, Linear
 from runtime.models.rope import default_inv_freq, rotate
 
 PATCH_WEIGHT = "patch_embed.proj.weight"

@@ -16,11 +16,10 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
-from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.normalization import LayerNorm
 
 from runtime.models.base import activation, attention, config_float, config_int
-from runtime.models.linear import Linear
+from runtime.models.linear import Embedding, Linear
 
 PATCH_WEIGHT = "embeddings.patch_embedding.weight"
 

@@ -1,0 +1,46 @@
+// runtime.kernels._mlx_ext: the primitives of primitives.h for Python (the bridge is
+// runtime/kernels/primitives.py).
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "mlx/version.h"
+#include "primitives.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_mlx_ext, m) {
+  m.doc() = "mlx-gateway's CPU kernels as MLX primitives";
+  // the MLX this was compiled against: the bridge refuses to use it with another
+  m.attr("mlx_version") = std::string(mlx::core::version());
+  m.attr("mlx_header_version") = std::to_string(MLX_VERSION_MAJOR) + "." +
+      std::to_string(MLX_VERSION_MINOR) + "." + std::to_string(MLX_VERSION_PATCH);
+  m.def(
+      "quantized_matmul",
+      &mlxgw::quantized_matmul,
+      "x"_a,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      nb::kw_only(),
+      "group_size"_a,
+      "bits"_a,
+      "threads"_a,
+      "generic"_a,
+      "small_rows"_a,
+      "int8"_a,
+      "x @ dequantize(w).T on the CPU, as float32");
+  m.def(
+      "dequantize",
+      &mlxgw::dequantize,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      nb::kw_only(),
+      "group_size"_a,
+      "bits"_a,
+      "threads"_a,
+      "generic"_a,
+      "the float32 weight of an affine-quantized triplet, on the CPU");
+}
