@@ -1,8 +1,8 @@
 /* Decode-sized quantized products with int8 activations (x86 AVX2), as llama.cpp does.
  *
  *   mlxgw_qdot_i8: out[m, n] = sum_k x[m, k] * (s[n, g] * q[n, k] + b[n, g]) for MLX's
- *   4- and 8-bit affine layout (quantized.c describes it), with each row of x rounded to
- *   int8 per block of 32 values (scale max|x| / 127).
+ *   affine layout of 2 to 6 and 8 bits (quantized.c describes it), with each row of x
+ *   rounded to int8 per block of 32 values (scale max|x| / 127).
  *
  * Per block of 32 weights the float kernel (quantized.c) unpacks, converts, scales and
  * stores 32 floats before it multiplies them; here the 32 packed weights meet 32 int8
@@ -20,6 +20,8 @@
  */
 
 #include "common.h"
+
+#include <pthread.h>
 
 #if HAVE_X86_DISPATCH
 #include <immintrin.h>
@@ -58,6 +60,75 @@ TARGET_QDOT static inline __m256i weights4(const uint8_t *row, int64_t blk) {
     return _mm256_set_m128i(hi, lo);
 }
 
+/* Any other width b (2, 3, 5, 6): each value's 16-bit window of the bit stream gathered
+ * into a 16-bit lane (vpshufb), shifted into place by a multiply-high (w * 2^(16 - o) >> 16
+ * = w >> o; a value at a byte boundary takes the window one byte earlier, o = 8), masked,
+ * and packed to bytes. The bytes come out as values 0-7, 16-23, 8-15, 24-31 (the 128-bit
+ * lanes of the pack): x is laid out in that order (`weight_order`). */
+typedef struct {
+    __m256i shuffle[2]; /* values 0-15 from source A, 16-31 from source B */
+    __m256i multiply[2];
+    int b_offset; /* byte where source B starts in the block (A starts at 0) */
+} Unpack;
+
+static Unpack unpackers[9];
+static pthread_once_t unpackers_once = PTHREAD_ONCE_INIT;
+
+static void build_unpackers(void) {
+    static const int widths[] = {2, 3, 5, 6};
+    for (int wi = 0; wi < 4; wi++) {
+        const int b = widths[wi];
+        Unpack *u = &unpackers[b];
+        u->b_offset = b >= 4 ? 4 * b - 16 : 0; /* 2 and 3 bits: the block is copied whole */
+        uint8_t shuffle[2][32];
+        uint16_t multiply[2][16];
+        for (int i = 0; i < 32; i++) {
+            const int src = i / 16, lane = (i % 16) / 8, slot = i % 8;
+            const int start = src ? u->b_offset : 0;
+            int bit = b * i, byte = bit / 8, shift = bit % 8;
+            if (shift == 0) {
+                byte -= 1;
+                shift = 8;
+            }
+            int lo = byte - start, hi = byte + 1 - start;
+            shuffle[src][lane * 16 + slot * 2] = lo < 0 ? 0x80 : (uint8_t)lo;
+            shuffle[src][lane * 16 + slot * 2 + 1] = (uint8_t)hi;
+            multiply[src][lane * 8 + slot] = (uint16_t)(1u << (16 - shift));
+        }
+        for (int k = 0; k < 2; k++) {
+            memcpy(&u->shuffle[k], shuffle[k], 32);
+            memcpy(&u->multiply[k], multiply[k], 32);
+        }
+    }
+}
+
+TARGET_QDOT static inline __m256i weights_any(int bits, const uint8_t *row, int64_t blk) {
+    const Unpack *u = &unpackers[bits];
+    const uint8_t *p = row + blk * 4 * bits;
+    __m128i a, b;
+    if (bits >= 4) {
+        a = _mm_loadu_si128((const __m128i *)p);
+        b = _mm_loadu_si128((const __m128i *)(p + u->b_offset));
+    } else { /* a block of 8 or 12 bytes: never read past it */
+        uint8_t tmp[16] = {0};
+        memcpy(tmp, p, (size_t)(4 * bits));
+        a = b = _mm_loadu_si128((const __m128i *)tmp);
+    }
+    const __m256i mask = _mm256_set1_epi16((short)((1 << bits) - 1));
+    __m256i wa = _mm256_shuffle_epi8(_mm256_set_m128i(a, a), u->shuffle[0]);
+    __m256i wb = _mm256_shuffle_epi8(_mm256_set_m128i(b, b), u->shuffle[1]);
+    wa = _mm256_and_si256(_mm256_mulhi_epu16(wa, u->multiply[0]), mask);
+    wb = _mm256_and_si256(_mm256_mulhi_epu16(wb, u->multiply[1]), mask);
+    return _mm256_packus_epi16(wa, wb);
+}
+
+/* where value k of a block of 32 sits in the unpacked weights of `bits` */
+static inline int weight_order(int bits, int k) {
+    if (bits == 4) return (k & 1) * 16 + k / 2; /* byte j: values 2j (low), 2j + 1 (high) */
+    if (bits == 8) return k;
+    return k < 8 ? k : k < 16 ? k + 8 : k < 24 ? k - 8 : k;
+}
+
 TARGET_QDOT static inline __m256i weights8(const uint8_t *row, int64_t blk) {
     __m256i b = _mm256_loadu_si256((const __m256i *)(row + blk * 32));
     return _mm256_xor_si256(b, _mm256_set1_epi8((char)0x80)); /* q - 128 as int8 */
@@ -83,7 +154,7 @@ TARGET_QDOT static inline float hsum8(__m256i v32) {
     return _mm_cvtss_f32(s);
 }
 
-/* rows m0 .. m0 + mr of one feature n; mr <= QDOT_ROWS, bits 4 or 8 (constants inlined) */
+/* rows m0 .. m0 + mr of one feature n; mr <= QDOT_ROWS (bits and mr constants inlined) */
 TARGET_QDOT static inline void feature_rows(const QDot *a, int bits, int mr, int64_t n,
                                             int64_t m0) {
     const int64_t depth = a->depth, blocks = depth / QB, groups = a->groups;
@@ -102,11 +173,13 @@ TARGET_QDOT static inline void feature_rows(const QDot *a, int bits, int mr, int
         const float b = scale_at(a->stype, a->biases, n * groups + g) + half * s;
         for (int r = 0; r < mr; r++) bias[r] += b * a->xsum[(m0 + r) * groups + g];
         for (int i = 0; i < per_group; i++, blk++) {
-            __m256i w = bits == 4 ? weights4(row, blk) : weights8(row, blk);
+            __m256i w = bits == 4   ? weights4(row, blk)
+                        : bits == 8 ? weights8(row, blk)
+                                    : weights_any(bits, row, blk);
             for (int r = 0; r < mr; r++) {
                 const int64_t m = m0 + r;
-                __m256i d = bits == 4 ? dot4(w, a->xq + m * depth + blk * QB)
-                                      : dot8(w, a->xq + m * depth + blk * QB);
+                __m256i d = bits == 8 ? dot8(w, a->xq + m * depth + blk * QB)
+                                      : dot4(w, a->xq + m * depth + blk * QB);
                 __m256 f = _mm256_set1_ps(s * a->xs[m * blocks + blk]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), f, acc[r]);
             }
@@ -139,10 +212,14 @@ TARGET_QDOT static void *qdot_worker(void *arg) {
         int64_t start = __atomic_fetch_add(&a->next, 1, __ATOMIC_RELAXED) * QDOT_CHUNK;
         if (start >= a->cols) break;
         int64_t end = start + QDOT_CHUNK < a->cols ? start + QDOT_CHUNK : a->cols;
-        if (a->bits == 4)
-            features_bits(a, 4, start, end);
-        else
-            features_bits(a, 8, start, end);
+        switch (a->bits) {
+        case 2: features_bits(a, 2, start, end); break;
+        case 3: features_bits(a, 3, start, end); break;
+        case 4: features_bits(a, 4, start, end); break;
+        case 5: features_bits(a, 5, start, end); break;
+        case 6: features_bits(a, 6, start, end); break;
+        default: features_bits(a, 8, start, end); break;
+        }
     }
     return NULL;
 }
@@ -168,9 +245,7 @@ TARGET_QDOT static void quantize_rows(const float *x, int64_t rows, int64_t dept
             xs[m * blocks + blk] = scale;
             int8_t *dst = xq + m * depth + blk * QB;
             for (int k = 0; k < QB; k++) {
-                /* 4 bits: byte j holds values 2j (low nibble) and 2j + 1 (high) */
-                int pos = bits == 4 ? (k & 1) * 16 + k / 2 : k;
-                dst[pos] = (int8_t)__builtin_lrintf(src[k] * inv);
+                dst[weight_order(bits, k)] = (int8_t)__builtin_lrintf(src[k] * inv);
             }
         }
     }
@@ -182,14 +257,14 @@ static int qdot_supported(void) {
 }
 #endif
 
-/* Arguments as mlxgw_quantized_matmul's (quantized.c); bits 4 or 8. Returns 0 on success,
+/* Arguments as mlxgw_quantized_matmul's (quantized.c); bits 2-6 or 8. Returns 0 on success,
  * 1 when not handled here (widths, no AVX2/F16C, generic), 2 when out of memory. */
 EXPORT int mlxgw_qdot_i8(const float *x, const uint32_t *w, const void *scales,
                          const void *biases, float *out, int64_t rows, int64_t in_features,
                          int64_t out_features, int32_t bits, int32_t group_size, int32_t stype,
                          int32_t threads, int32_t generic) {
 #if HAVE_X86_DISPATCH
-    if (generic || !qdot_supported() || (bits != 4 && bits != 8) ||
+    if (generic || !qdot_supported() || bits < 2 || bits > 8 || bits == 7 ||
         (group_size != 32 && group_size != 64 && group_size != 128) || stype < 0 ||
         stype > 2 || rows < 1 || out_features < 1 || in_features < group_size ||
         in_features % group_size != 0)
@@ -204,6 +279,7 @@ EXPORT int mlxgw_qdot_i8(const float *x, const uint32_t *w, const void *scales,
         free(xsum);
         return 2;
     }
+    pthread_once(&unpackers_once, build_unpackers);
     quantize_rows(x, rows, in_features, bits, group_size, xq, xs, xsum);
     QDot a = {xq, xs, xsum, w, scales, biases, out, rows, in_features, out_features, groups,
               bits, group_size, stype, 0};
@@ -217,6 +293,98 @@ EXPORT int mlxgw_qdot_i8(const float *x, const uint32_t *w, const void *scales,
     return 0;
 #else
     (void)x, (void)w, (void)scales, (void)biases, (void)out, (void)rows, (void)in_features;
+    (void)out_features, (void)bits, (void)group_size, (void)stype, (void)threads, (void)generic;
+    return 1;
+#endif
+}
+
+/* -- dequantization into float32 rows (prompt-sized products, quantized.c's contract) --- */
+
+#if HAVE_X86_DISPATCH
+/* 32 values of block `blk` in their natural order, as bytes */
+TARGET_QDOT static inline __m256i natural_bytes(int bits, const uint8_t *row, int64_t blk) {
+    if (bits == 8) return _mm256_loadu_si256((const __m256i *)(row + blk * 32));
+    if (bits == 4) {
+        __m256i w = weights4(row, blk); /* evens | odds */
+        __m128i even = _mm256_castsi256_si128(w), odd = _mm256_extracti128_si256(w, 1);
+        return _mm256_set_m128i(_mm_unpackhi_epi8(even, odd), _mm_unpacklo_epi8(even, odd));
+    }
+    /* values 0-7, 16-23, 8-15, 24-31: swap the middle 64-bit quarters */
+    return _mm256_permute4x64_epi64(weights_any(bits, row, blk), 0xd8);
+}
+
+typedef struct {
+    const uint32_t *w;
+    const void *scales, *biases;
+    float *dst;
+    int64_t n0, n1, depth, groups, next;
+    int32_t bits, group_size, stype;
+} Dequant;
+
+TARGET_QDOT static void dequant_feature(const Dequant *a, int bits, int64_t n) {
+    const int64_t depth = a->depth, groups = a->groups;
+    const int per_group = a->group_size / QB;
+    const uint8_t *row = (const uint8_t *)a->w + n * depth * bits / 8;
+    float *out = a->dst + (n - a->n0) * depth;
+    int64_t blk = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        const __m256 s = _mm256_set1_ps(scale_at(a->stype, a->scales, n * groups + g));
+        const __m256 b = _mm256_set1_ps(scale_at(a->stype, a->biases, n * groups + g));
+        for (int i = 0; i < per_group; i++, blk++) {
+            __m256i q = natural_bytes(bits, row, blk);
+            __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+            __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int k = 0; k < 4; k++) {
+                __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k]));
+                _mm256_storeu_ps(out + blk * QB + k * 8, _mm256_fmadd_ps(f, s, b));
+            }
+        }
+    }
+}
+
+TARGET_QDOT static void *dequant_worker(void *arg) {
+    Dequant *a = arg;
+    for (;;) {
+        int64_t start = a->n0 + __atomic_fetch_add(&a->next, 1, __ATOMIC_RELAXED) * QDOT_CHUNK;
+        if (start >= a->n1) break;
+        int64_t end = start + QDOT_CHUNK < a->n1 ? start + QDOT_CHUNK : a->n1;
+        for (int64_t n = start; n < end; n++) {
+            switch (a->bits) {
+            case 2: dequant_feature(a, 2, n); break;
+            case 3: dequant_feature(a, 3, n); break;
+            case 4: dequant_feature(a, 4, n); break;
+            case 5: dequant_feature(a, 5, n); break;
+            case 6: dequant_feature(a, 6, n); break;
+            default: dequant_feature(a, 8, n); break;
+            }
+        }
+    }
+    return NULL;
+}
+#endif
+
+/* mlxgw_dequantize (quantized.c) with AVX2: same arguments and results; 1 where it does
+ * not apply (no AVX2/F16C, generic), and the caller runs the portable one. */
+EXPORT int mlxgw_dequantize_avx2(const uint32_t *w, const void *scales, const void *biases,
+                                 float *dst, int64_t n0, int64_t n1, int64_t in_features,
+                                 int64_t out_features, int32_t bits, int32_t group_size,
+                                 int32_t stype, int32_t threads, int32_t generic) {
+#if HAVE_X86_DISPATCH
+    if (generic || !qdot_supported() || bits < 2 || bits > 8 || bits == 7 ||
+        (group_size != 32 && group_size != 64 && group_size != 128) || stype < 0 ||
+        stype > 2 || n0 < 0 || n1 > out_features || n0 >= n1 || in_features < group_size ||
+        in_features % group_size != 0)
+        return 1;
+    pthread_once(&unpackers_once, build_unpackers);
+    Dequant a = {w, scales, biases, dst, n0, n1, in_features, in_features / group_size, 0,
+                 bits, group_size, stype};
+    int64_t items = (n1 - n0 + QDOT_CHUNK - 1) / QDOT_CHUNK;
+    if (threads < 1) threads = 1;
+    if (threads > items) threads = (int32_t)items;
+    run_threads(dequant_worker, &a, threads);
+    return 0;
+#else
+    (void)w, (void)scales, (void)biases, (void)dst, (void)n0, (void)n1, (void)in_features;
     (void)out_features, (void)bits, (void)group_size, (void)stype, (void)threads, (void)generic;
     return 1;
 #endif

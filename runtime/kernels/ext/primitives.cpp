@@ -42,6 +42,20 @@ int mlxgw_qdot_i8(
     int32_t stype,
     int32_t threads,
     int32_t generic);
+int mlxgw_dequantize_avx2(
+    const uint32_t* w,
+    const void* scales,
+    const void* biases,
+    float* dst,
+    int64_t n0,
+    int64_t n1,
+    int64_t in_features,
+    int64_t out_features,
+    int32_t bits,
+    int32_t group_size,
+    int32_t stype,
+    int32_t threads,
+    int32_t generic);
 int mlxgw_dequantize(
     const uint32_t* w,
     const void* scales,
@@ -121,6 +135,29 @@ void check_format(
     throw std::invalid_argument(msg.str());
   }
   scale_type(scales.dtype());
+}
+
+// rows n0..n1 of the weight as float32: AVX2 where it runs, else the portable code
+int dequantize_rows(
+    const uint32_t* w,
+    const void* s,
+    const void* b,
+    float* dst,
+    int64_t n0,
+    int64_t n1,
+    int64_t depth,
+    int64_t cols,
+    int bits,
+    int gs,
+    int stype,
+    int threads,
+    int generic) {
+  int status =
+      mlxgw_dequantize_avx2(w, s, b, dst, n0, n1, depth, cols, bits, gs, stype, threads, generic);
+  if (status == 1) {
+    status = mlxgw_dequantize(w, s, b, dst, n0, n1, depth, cols, bits, gs, stype, threads, generic);
+  }
+  return status;
 }
 
 void check_status(int status, const char* what) {
@@ -242,7 +279,7 @@ void QuantizedMatmul::eval_cpu(
     for (int64_t n0 = 0; n0 < cols; n0 += tile) {
       int64_t n1 = std::min(cols, n0 + tile);
       check_status(
-          mlxgw_dequantize(
+          dequantize_rows(
               wp, sp, bp, buffer.get(), n0, n1, depth, cols, bits, gs, stype, threads, generic),
           "dequantize");
       cblas_sgemm(
@@ -303,7 +340,7 @@ void Dequantize::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
                     threads = threads_,
                     generic = int(generic_)]() {
     check_status(
-        mlxgw_dequantize(wp, sp, bp, op, 0, cols, depth, cols, bits, gs, stype, threads, generic),
+        dequantize_rows(wp, sp, bp, op, 0, cols, depth, cols, bits, gs, stype, threads, generic),
         "dequantize");
   });
 }

@@ -116,7 +116,7 @@ def _int8_bound(x: np.ndarray[Any, Any], dense: np.ndarray[Any, Any], bits: int)
     return blocks @ np.abs(dense).reshape(dense.shape[0], depth // 32, 32).sum(axis=2).T
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", ALL_BITS)
 def test_int8_path_stays_within_its_rounding_bound(bits: int, ext: Any) -> None:
     """Decode rows (up to SMALL_ROWS) meet int8-rounded x; the error is the bound that
     rounding implies (8-bit: checked against the raw product, centring bounded above)."""
