@@ -91,7 +91,7 @@ def main() -> None:
         sys.exit("the MLX extension is not built (pip install -e . builds it)")
     print(
         f"{kernels.thread_count()} threads (MLX_GATEWAY_CPU_THREADS), int8 activations "
-        f"unless MLX_GATEWAY_CPU_INT8=0; BLAS: {backend.blas_choice()}"
+        f"as MLX_GATEWAY_CPU_ACTIVATIONS says (default int16); BLAS: {backend.blas_choice()}"
     )
     print(
         f"{'K x N':>13} {'rows':>4} {'bits':>4} {'ours ms':>9} {'mlx-q ms':>9} {'blas ms':>9} "

@@ -38,9 +38,12 @@ log = logging.getLogger(__name__)
 # verify rows) read each packed weight once for all rows; more dequantize a tile of
 # weights at a time into the BLAS (prompt chunks).
 SMALL_ROWS = 16
-# "0" multiplies decode rows in float32 instead of rounding them to int8 per block of 32
-# (runtime/kernels/qdot.c states the error; tests and comparisons)
-ENV_INT8 = "MLX_GATEWAY_CPU_INT8"
+# What decode rows are rounded to before they meet the weights (runtime/kernels/qdot.c):
+# "int16" (the default: per block of 32, an error 256 times below llama.cpp's int8 rows),
+# "int8" (llama.cpp's choice: fastest, and greedy output drifts from the float path's
+# sooner), or "float32" (the float kernel, quantized.c)
+ENV_ACTIVATIONS = "MLX_GATEWAY_CPU_ACTIVATIONS"
+ACTIVATIONS = {"int16": 16, "int8": 8, "float32": 0}
 _MODULE = "runtime.kernels._mlx_ext"
 
 
@@ -84,8 +87,13 @@ def _generic() -> bool:
     return os.environ.get(ENV_ISA, "").strip().lower() == "generic"
 
 
-def _int8() -> bool:
-    return os.environ.get(ENV_INT8, "1").strip().lower() not in ("0", "false", "no", "off")
+def activation_bits() -> int:
+    """MLX_GATEWAY_CPU_ACTIVATIONS as the kernel's x_bits (an unknown value: int16, said)."""
+    value = os.environ.get(ENV_ACTIVATIONS, "int16").strip().lower()
+    if value not in ACTIVATIONS:
+        log.warning("%s=%r: use int16, int8 or float32; using int16", ENV_ACTIVATIONS, value)
+        return ACTIVATIONS["int16"]
+    return ACTIVATIONS[value]
 
 
 def on_cpu() -> bool:
@@ -129,7 +137,7 @@ def qmatmul(
             threads=thread_count(),
             generic=_generic(),
             small_rows=SMALL_ROWS,
-            int8=_int8(),
+            x_bits=activation_bits(),
         )
         return out
     return mx.quantized_matmul(

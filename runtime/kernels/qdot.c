@@ -31,14 +31,14 @@
 enum { QB = 32, QDOT_ROWS = 4, QDOT_CHUNK = 16 };
 
 typedef struct {
-    const int8_t *xq;  /* [rows, K]: int8 x, each 32-block in weight order (4 bits: evens, odds) */
+    const void *xq;    /* [rows, K]: int8 or int16 x, each 32-block in weight order */
     const float *xs;   /* [rows, K / 32]: block scales */
     const float *xsum; /* [rows, K / gs]: exact sums of x per weight group */
     const uint32_t *w;
     const void *scales, *biases;
     float *out;
     int64_t rows, depth, cols, groups;
-    int32_t bits, group_size, stype;
+    int32_t bits, group_size, stype, wide; /* wide: x as int16 */
     int64_t next;
 } QDot;
 
@@ -146,6 +146,15 @@ TARGET_QDOT static inline __m256i dot8(__m256i w, const int8_t *x) {
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
+/* int16 x: the weights' bytes widened to 16 bits, two vpmaddwd (16 products each) */
+TARGET_QDOT static inline __m256i dot16(__m256i w, const int16_t *x) {
+    __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w));
+    __m256i hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
+    __m256i x0 = _mm256_loadu_si256((const __m256i *)x);
+    __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
+}
+
 TARGET_QDOT static inline float hsum8(__m256i v32) {
     __m256 v = _mm256_cvtepi32_ps(v32);
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -155,12 +164,13 @@ TARGET_QDOT static inline float hsum8(__m256i v32) {
 }
 
 /* rows m0 .. m0 + mr of one feature n; mr <= QDOT_ROWS (bits and mr constants inlined) */
-TARGET_QDOT static inline void feature_rows(const QDot *a, int bits, int mr, int64_t n,
+TARGET_QDOT static inline void feature_rows(const QDot *a, int bits, int wide, int mr, int64_t n,
                                             int64_t m0) {
     const int64_t depth = a->depth, blocks = depth / QB, groups = a->groups;
     const int per_group = a->group_size / QB;
     const uint8_t *row = (const uint8_t *)a->w + n * depth * bits / 8;
-    const float half = bits == 8 ? 128.0f : 0.0f; /* 8-bit weights are centred */
+    /* 8-bit weights meet int8 x centred (q - 128); int16 products need no centring */
+    const float half = bits == 8 && !wide ? 128.0f : 0.0f;
     __m256 acc[QDOT_ROWS];
     float bias[QDOT_ROWS];
     for (int r = 0; r < mr; r++) {
@@ -173,13 +183,16 @@ TARGET_QDOT static inline void feature_rows(const QDot *a, int bits, int mr, int
         const float b = scale_at(a->stype, a->biases, n * groups + g) + half * s;
         for (int r = 0; r < mr; r++) bias[r] += b * a->xsum[(m0 + r) * groups + g];
         for (int i = 0; i < per_group; i++, blk++) {
-            __m256i w = bits == 4   ? weights4(row, blk)
-                        : bits == 8 ? weights8(row, blk)
-                                    : weights_any(bits, row, blk);
+            __m256i w = bits == 4             ? weights4(row, blk)
+                        : bits == 8 && wide   ? _mm256_loadu_si256((const __m256i *)(row + blk * 32))
+                        : bits == 8           ? weights8(row, blk)
+                                              : weights_any(bits, row, blk);
             for (int r = 0; r < mr; r++) {
                 const int64_t m = m0 + r;
-                __m256i d = bits == 8 ? dot8(w, a->xq + m * depth + blk * QB)
-                                      : dot4(w, a->xq + m * depth + blk * QB);
+                const int64_t at = m * depth + blk * QB;
+                __m256i d = wide        ? dot16(w, (const int16_t *)a->xq + at)
+                            : bits == 8 ? dot8(w, (const int8_t *)a->xq + at)
+                                        : dot4(w, (const int8_t *)a->xq + at);
                 __m256 f = _mm256_set1_ps(s * a->xs[m * blocks + blk]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), f, acc[r]);
             }
@@ -193,18 +206,35 @@ TARGET_QDOT static inline void feature_rows(const QDot *a, int bits, int mr, int
     }
 }
 
-TARGET_QDOT static void features_bits(const QDot *a, int bits, int64_t n0, int64_t n1) {
+TARGET_QDOT static inline void features_bits(const QDot *a, int bits, int wide, int64_t n0,
+                                             int64_t n1) {
     for (int64_t n = n0; n < n1; n++) {
         int64_t m = 0;
-        for (; m + QDOT_ROWS <= a->rows; m += QDOT_ROWS) feature_rows(a, bits, QDOT_ROWS, n, m);
+        for (; m + QDOT_ROWS <= a->rows; m += QDOT_ROWS)
+            feature_rows(a, bits, wide, QDOT_ROWS, n, m);
         switch (a->rows - m) {
-        case 3: feature_rows(a, bits, 3, n, m); break;
-        case 2: feature_rows(a, bits, 2, n, m); break;
-        case 1: feature_rows(a, bits, 1, n, m); break;
+        case 3: feature_rows(a, bits, wide, 3, n, m); break;
+        case 2: feature_rows(a, bits, wide, 2, n, m); break;
+        case 1: feature_rows(a, bits, wide, 1, n, m); break;
         default: break;
         }
     }
 }
+
+/* each (width, activation size) pair gets its own code */
+#define FEATURES(bits)                                                                       \
+    TARGET_QDOT static void features_##bits(const QDot *a, int64_t n0, int64_t n1) {         \
+        if (a->wide)                                                                         \
+            features_bits(a, bits, 1, n0, n1);                                               \
+        else                                                                                 \
+            features_bits(a, bits, 0, n0, n1);                                               \
+    }
+FEATURES(2)
+FEATURES(3)
+FEATURES(4)
+FEATURES(5)
+FEATURES(6)
+FEATURES(8)
 
 TARGET_QDOT static void *qdot_worker(void *arg) {
     QDot *a = arg;
@@ -213,20 +243,22 @@ TARGET_QDOT static void *qdot_worker(void *arg) {
         if (start >= a->cols) break;
         int64_t end = start + QDOT_CHUNK < a->cols ? start + QDOT_CHUNK : a->cols;
         switch (a->bits) {
-        case 2: features_bits(a, 2, start, end); break;
-        case 3: features_bits(a, 3, start, end); break;
-        case 4: features_bits(a, 4, start, end); break;
-        case 5: features_bits(a, 5, start, end); break;
-        case 6: features_bits(a, 6, start, end); break;
-        default: features_bits(a, 8, start, end); break;
+        case 2: features_2(a, start, end); break;
+        case 3: features_3(a, start, end); break;
+        case 4: features_4(a, start, end); break;
+        case 5: features_5(a, start, end); break;
+        case 6: features_6(a, start, end); break;
+        default: features_8(a, start, end); break;
         }
     }
     return NULL;
 }
 
-/* x rows to int8 blocks (in the weights' value order), block scales, group sums */
+/* x rows to int8 or int16 (wide) blocks in the weights' value order, block scales, group
+ * sums */
 TARGET_QDOT static void quantize_rows(const float *x, int64_t rows, int64_t depth, int bits,
-                                      int gs, int8_t *xq, float *xs, float *xsum) {
+                                      int gs, int wide, void *xq, float *xs, float *xsum) {
+    const float top = wide ? 32767.0f : 127.0f;
     const int64_t blocks = depth / QB, groups = depth / gs;
     for (int64_t m = 0; m < rows; m++) {
         for (int64_t g = 0; g < groups; g++) {
@@ -241,11 +273,15 @@ TARGET_QDOT static void quantize_rows(const float *x, int64_t rows, int64_t dept
                 float v = src[k] < 0 ? -src[k] : src[k];
                 amax = v > amax ? v : amax;
             }
-            float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+            float scale = amax / top, inv = amax > 0 ? top / amax : 0.0f;
             xs[m * blocks + blk] = scale;
-            int8_t *dst = xq + m * depth + blk * QB;
+            const int64_t at = m * depth + blk * QB;
             for (int k = 0; k < QB; k++) {
-                dst[weight_order(bits, k)] = (int8_t)__builtin_lrintf(src[k] * inv);
+                long v = __builtin_lrintf(src[k] * inv);
+                if (wide)
+                    ((int16_t *)xq)[at + weight_order(bits, k)] = (int16_t)v;
+                else
+                    ((int8_t *)xq)[at + weight_order(bits, k)] = (int8_t)v;
             }
         }
     }
@@ -257,20 +293,22 @@ static int qdot_supported(void) {
 }
 #endif
 
-/* Arguments as mlxgw_quantized_matmul's (quantized.c); bits 2-6 or 8. Returns 0 on success,
- * 1 when not handled here (widths, no AVX2/F16C, generic), 2 when out of memory. */
-EXPORT int mlxgw_qdot_i8(const float *x, const uint32_t *w, const void *scales,
-                         const void *biases, float *out, int64_t rows, int64_t in_features,
-                         int64_t out_features, int32_t bits, int32_t group_size, int32_t stype,
-                         int32_t threads, int32_t generic) {
+/* Arguments as mlxgw_quantized_matmul's (quantized.c); bits 2-6 or 8; x_bits 8 or 16, the
+ * integers x is rounded to. Returns 0 on success, 1 when not handled here (widths, no
+ * AVX2/F16C, generic), 2 when out of memory. */
+EXPORT int mlxgw_qdot(const float *x, const uint32_t *w, const void *scales, const void *biases,
+                      float *out, int64_t rows, int64_t in_features, int64_t out_features,
+                      int32_t bits, int32_t group_size, int32_t stype, int32_t x_bits,
+                      int32_t threads, int32_t generic) {
 #if HAVE_X86_DISPATCH
     if (generic || !qdot_supported() || bits < 2 || bits > 8 || bits == 7 ||
         (group_size != 32 && group_size != 64 && group_size != 128) || stype < 0 ||
         stype > 2 || rows < 1 || out_features < 1 || in_features < group_size ||
-        in_features % group_size != 0)
+        in_features % group_size != 0 || (x_bits != 8 && x_bits != 16))
         return 1;
     const int64_t blocks = in_features / QB, groups = in_features / group_size;
-    int8_t *xq = malloc((size_t)(rows * in_features));
+    const int wide = x_bits == 16;
+    void *xq = malloc((size_t)(rows * in_features) * (wide ? 2 : 1));
     float *xs = malloc((size_t)(rows * blocks) * sizeof(float));
     float *xsum = malloc((size_t)(rows * groups) * sizeof(float));
     if (!xq || !xs || !xsum) {
@@ -280,9 +318,9 @@ EXPORT int mlxgw_qdot_i8(const float *x, const uint32_t *w, const void *scales,
         return 2;
     }
     pthread_once(&unpackers_once, build_unpackers);
-    quantize_rows(x, rows, in_features, bits, group_size, xq, xs, xsum);
+    quantize_rows(x, rows, in_features, bits, group_size, wide, xq, xs, xsum);
     QDot a = {xq, xs, xsum, w, scales, biases, out, rows, in_features, out_features, groups,
-              bits, group_size, stype, 0};
+              bits, group_size, stype, wide, 0};
     int64_t items = (out_features + QDOT_CHUNK - 1) / QDOT_CHUNK;
     if (threads < 1) threads = 1;
     if (threads > items) threads = (int32_t)items;
@@ -293,7 +331,8 @@ EXPORT int mlxgw_qdot_i8(const float *x, const uint32_t *w, const void *scales,
     return 0;
 #else
     (void)x, (void)w, (void)scales, (void)biases, (void)out, (void)rows, (void)in_features;
-    (void)out_features, (void)bits, (void)group_size, (void)stype, (void)threads, (void)generic;
+    (void)out_features, (void)bits, (void)group_size, (void)stype, (void)x_bits, (void)threads;
+    (void)generic;
     return 1;
 #endif
 }

@@ -29,7 +29,7 @@ NB_MODULE(_mlx_ext, m) {
       "threads"_a,
       "generic"_a,
       "small_rows"_a,
-      "int8"_a,
+      "x_bits"_a,
       "x @ dequantize(w).T on the CPU, as float32");
   m.def(
       "dequantize",

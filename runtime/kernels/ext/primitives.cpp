@@ -28,7 +28,7 @@ int mlxgw_quantized_matmul(
     int32_t stype,
     int32_t threads,
     int32_t generic);
-int mlxgw_qdot_i8(
+int mlxgw_qdot(
     const float* x,
     const uint32_t* w,
     const void* scales,
@@ -40,6 +40,7 @@ int mlxgw_qdot_i8(
     int32_t bits,
     int32_t group_size,
     int32_t stype,
+    int32_t x_bits,
     int32_t threads,
     int32_t generic);
 int mlxgw_dequantize_avx2(
@@ -181,7 +182,7 @@ mx::array quantized_matmul(
     int threads,
     bool generic,
     int small_rows,
-    bool int8) {
+    int x_bits) {
   if (x.ndim() < 1) {
     throw std::invalid_argument("[mlxgw.quantized_matmul] x must have at least one axis");
   }
@@ -194,7 +195,7 @@ mx::array quantized_matmul(
       std::move(shape),
       mx::float32,
       std::make_shared<QuantizedMatmul>(
-          stream, group_size, bits, std::max(1, threads), generic, small_rows, int8),
+          stream, group_size, bits, std::max(1, threads), generic, small_rows, x_bits),
       {xf,
        mx::contiguous(w, false, stream),
        mx::contiguous(scales, false, stream),
@@ -256,12 +257,13 @@ void QuantizedMatmul::eval_cpu(
                     threads = threads_,
                     generic = int(generic_),
                     small = small_rows_,
-                    int8 = int8_]() {
+                    x_bits = x_bits_]() {
     if (rows == 0) {
       return;
     }
-    if (rows <= small && int8 &&
-        mlxgw_qdot_i8(xp, wp, sp, bp, op, rows, depth, cols, bits, gs, stype, threads, generic) ==
+    if (rows <= small && x_bits != 0 &&
+        mlxgw_qdot(
+            xp, wp, sp, bp, op, rows, depth, cols, bits, gs, stype, x_bits, threads, generic) ==
             0) {
       return;
     }
@@ -308,7 +310,7 @@ void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::ar
 bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const QuantizedMatmul&>(other);
   return group_size_ == o.group_size_ && bits_ == o.bits_ && threads_ == o.threads_ &&
-      generic_ == o.generic_ && small_rows_ == o.small_rows_ && int8_ == o.int8_;
+      generic_ == o.generic_ && small_rows_ == o.small_rows_ && x_bits_ == o.x_bits_;
 }
 
 std::vector<mx::Shape> QuantizedMatmul::output_shapes(const std::vector<mx::array>& inputs) {

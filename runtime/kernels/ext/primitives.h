@@ -12,9 +12,9 @@ namespace mx = mlx::core;
 // x (..., K) float32 @ W.T for W as mx.quantize(W, group_size, bits) packed it (w, scales,
 // biases; scales and biases float32, float16 or bfloat16): (..., N) float32, computed on
 // the CPU. Up to `small_rows` rows read each packed weight once for all rows: with
-// `int8`, 4- and 8-bit weights meet x rounded to int8 per block of 32 (mlxgw_qdot_i8, on
-// AVX2), else floats (mlxgw_quantized_matmul); more rows dequantize a tile of features
-// at a time into the BLAS.
+// `x_bits` 16 or 8, the weights meet x rounded to int16 or int8 per block of 32
+// (mlxgw_qdot, on AVX2), with 0 floats (mlxgw_quantized_matmul); more rows dequantize a
+// tile of features at a time into the BLAS.
 mx::array quantized_matmul(
     const mx::array& x,
     const mx::array& w,
@@ -25,7 +25,7 @@ mx::array quantized_matmul(
     int threads,
     bool generic,
     int small_rows,
-    bool int8);
+    int x_bits);
 
 // W itself, as float32 (N, K): what the products above compute with (tests, references).
 mx::array dequantize(
@@ -46,14 +46,14 @@ class QuantizedMatmul : public mx::Primitive {
       int threads,
       bool generic,
       int small_rows,
-      bool int8)
+      int x_bits)
       : mx::Primitive(stream),
         group_size_(group_size),
         bits_(bits),
         threads_(threads),
         generic_(generic),
         small_rows_(small_rows),
-        int8_(int8) {}
+        x_bits_(x_bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
       override;
@@ -69,7 +69,7 @@ class QuantizedMatmul : public mx::Primitive {
   int group_size_, bits_, threads_;
   bool generic_;
   int small_rows_;
-  bool int8_;
+  int x_bits_;
 };
 
 class Dequantize : public mx::Primitive {
