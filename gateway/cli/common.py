@@ -12,7 +12,7 @@ from pathlib import Path
 import templates
 from gateway.cli.errors import CliError
 from gateway.cli.store.store import Store
-from gateway.core.settings import API_KEY_ENV, EngineSettings
+from gateway.core.settings import API_KEY_ENV, QUANTIZE_CHOICES, QUANTIZE_GROUPS, EngineSettings
 
 DEFAULT_MODEL = "smollm2-135m"
 ENV_PREFIX = "MLX_GATEWAY_"
@@ -55,6 +55,37 @@ def parse_bytes(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError("a size cannot be negative")
     return int(value * units[unit])
+
+
+KV_BITS = (8, 4)  # runtime.cache.KV_BITS: the CLI must not import the runtime for --help
+
+
+def parse_kv_bits(text: str) -> int | None:
+    """'8', '4' -> bits; 'none' (or empty) -> None: keys and values as computed."""
+    value = text.strip().lower()
+    if value in ("", "none"):
+        return None
+    if value.isdigit() and int(value) in KV_BITS:
+        return int(value)
+    raise argparse.ArgumentTypeError(f"not a KV cache width: {text!r} (8, 4 or none)")
+
+
+def parse_quantize(text: str) -> str | None:
+    """'q4', 'q8' -> that; 'none' (or empty) -> None: weights as the source stores them."""
+    value = text.strip().lower()
+    if value in ("", "none"):
+        return None
+    if value in QUANTIZE_CHOICES:
+        return value
+    raise argparse.ArgumentTypeError(f"not a weight quantization: {text!r} (q4, q8 or none)")
+
+
+def parse_quantize_group(text: str) -> int:
+    value = text.strip()
+    if value.isdigit() and int(value) in QUANTIZE_GROUPS:
+        return int(value)
+    groups = ", ".join(map(str, QUANTIZE_GROUPS))
+    raise argparse.ArgumentTypeError(f"not a quantization group size: {text!r} ({groups})")
 
 
 # -- addresses ----------------------------------------------------------------------------
@@ -136,4 +167,5 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         snapshot_interval=args.snapshot_interval,
         template_family=args.template_family,
         parser=args.parser,
+        kv_bits=args.kv_bits,
     )

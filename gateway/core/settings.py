@@ -13,6 +13,11 @@ API_KEY_ENV = "MLX_GATEWAY_API_KEY"
 # itself (seen: greedy Qwen2.5-Coder-0.5B re-emitting a tool call toward its 32k context
 # for most of an hour) lets go of the engine within minutes.
 DEFAULT_MAX_TOKENS = 8192
+# --quantize: a float model's weights quantized at load (runtime.load.QuantizeSpec; the CLI
+# must not import the runtime for --help)
+QUANTIZE_CHOICES = ("q4", "q8")
+QUANTIZE_GROUPS = (32, 64, 128)
+DEFAULT_QUANTIZE_GROUP = 64
 
 
 @dataclass(frozen=True)
@@ -70,3 +75,15 @@ class EngineSettings:
     stall_seconds: float = 300.0
     # fetch image URLs on loopback, private and link-local hosts (default: public only)
     allow_private_urls: bool = False
+    # full-attention layers keep keys and values in 8 or 4 bits (None: lossless)
+    kv_bits: int | None = None
+    # "q4" / "q8": a float source's weights quantized at load, in groups of quantize_group
+    # (None: as the source stores them)
+    quantize: str | None = None
+    quantize_group: int = DEFAULT_QUANTIZE_GROUP
+
+    def __post_init__(self) -> None:
+        if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:
+            raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES} or None")
+        if self.quantize_group not in QUANTIZE_GROUPS:
+            raise ValueError(f"quantize_group must be one of {QUANTIZE_GROUPS}")

@@ -33,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 
 from runtime.batch.prompt_prefill import PromptPrefill
-from runtime.cache import KVCache
+from runtime.cache import KVCache, QuantizedKVCache
 from runtime.models.decoder import LayerStack
 
 
@@ -42,7 +42,8 @@ def layer_stack(model: Any) -> LayerStack | None:
     body = getattr(model, "model", None)
     if not isinstance(body, LayerStack) or type(body).__call__ is not LayerStack.__call__:
         return None
-    return body if all(type(c) is KVCache for c in model.make_caches()) else None
+    kinds = (KVCache, QuantizedKVCache)  # growing KV caches, plain or quantized
+    return body if all(type(c) in kinds for c in model.make_caches()) else None
 
 
 class LayeredChunk:

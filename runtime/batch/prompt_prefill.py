@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from runtime.batch.generate import CausalLM
-from runtime.cache import KVCache, RecurrentCache, reserve_prompt
+from runtime.cache import KVCache, QuantizedKVCache, RecurrentCache, reserve_prompt
 from runtime.prefix import Lease
 from runtime.vision.spans import PromptImages
 
@@ -119,6 +119,6 @@ class PromptPrefill:
 
 def keeps_on_the_way(caches: Sequence[object]) -> bool:
     """Whether every layer can give its state at a point a chunk went past: it rewinds
-    there (plain and latent KV, not a sliding window's), or it is recurrent and keeps
-    the states asked for (`RecurrentCache.capture`)."""
-    return all(isinstance(c, (RecurrentCache, KVCache)) for c in caches)
+    there (plain, quantized and latent KV, not a sliding window's), or it is recurrent
+    and keeps the states asked for (`RecurrentCache.capture`)."""
+    return all(isinstance(c, (RecurrentCache, KVCache, QuantizedKVCache)) for c in caches)

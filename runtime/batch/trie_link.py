@@ -13,7 +13,7 @@ from typing import Any
 from runtime.batch.generate import CausalLM
 from runtime.batch.prompt_prefill import PromptPrefill
 from runtime.batch.sequence import Seq
-from runtime.cache import KVCache
+from runtime.cache import KVCache, QuantizedKVCache, RowView
 from runtime.prefix import Key, Lease, PrefixCache, RowState
 from runtime.vision.spans import PromptImages
 
@@ -75,8 +75,19 @@ class TrieLink:
 
     def kept_state(self, seq: Seq) -> RowState | None:
         """A finished row's keys and values while its caches wait to go back (None:
-        not waiting, or caches that are not plain KV caches)."""
+        not waiting, or caches that are not KV caches, plain or quantized)."""
         for caches, _, row in self.writebacks:
-            if row is seq and all(isinstance(c, KVCache) and c.keys is not None for c in caches):
-                return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
+            if row is seq:
+                views = [_held(c) for c in caches]
+                return None if any(v is None for v in views) else views  # type: ignore[return-value]
         return None
+
+
+def _held(cache: object) -> RowView | None:
+    """A KV cache's held keys and values (views); None for another kind, or empty."""
+    if isinstance(cache, QuantizedKVCache):
+        return cache.held()
+    if isinstance(cache, KVCache) and cache.keys is not None and cache.values is not None:
+        n = cache.offset
+        return cache.keys[..., :n, :], cache.values[..., :n, :]
+    return None

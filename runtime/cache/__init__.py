@@ -7,18 +7,34 @@ The disk tier's snapshot encoding is the `codec` module (`codec.encode`, `codec.
 from __future__ import annotations
 
 from runtime.cache import codec
-from runtime.cache.batch import BatchCaches, BatchTokenCache, batchable
+from runtime.cache.batch import (
+    BatchCaches,
+    BatchQuantizedCache,
+    BatchTokenCache,
+    RowView,
+    batchable,
+)
 from runtime.cache.kv import KVCache, KVSnapshot, reserve_prompt
 from runtime.cache.latent import LatentCache
 from runtime.cache.mask import Mask, window_mask
 from runtime.cache.protocol import ArraySnapshot, Cache, LayerCache, Snapshot
+from runtime.cache.quantized import (
+    KV_BITS,
+    Quantized,
+    QuantizedKVCache,
+    QuantizedSnapshot,
+    quantizing,
+    rotate,
+)
 from runtime.cache.ragged import RaggedCache
 from runtime.cache.recurrent import RecurrentCache, RecurrentSnapshot, RecurrentState
 from runtime.cache.rotating import RotatingKVCache, RotatingSnapshot
 
 __all__ = [
+    "KV_BITS",
     "ArraySnapshot",
     "BatchCaches",
+    "BatchQuantizedCache",
     "BatchTokenCache",
     "Cache",
     "KVCache",
@@ -26,15 +42,21 @@ __all__ = [
     "LatentCache",
     "LayerCache",
     "Mask",
+    "Quantized",
+    "QuantizedKVCache",
+    "QuantizedSnapshot",
     "RaggedCache",
     "RecurrentCache",
     "RecurrentSnapshot",
     "RecurrentState",
     "RotatingKVCache",
     "RotatingSnapshot",
+    "RowView",
     "Snapshot",
     "batchable",
     "codec",
+    "quantizing",
     "reserve_prompt",
+    "rotate",
     "window_mask",
 ]

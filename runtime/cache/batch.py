@@ -11,6 +11,8 @@ cut back into per-sequence caches when they leave, for the prefix trie.
   sliding window; a windowed row keeps its older tokens until it leaves, then only the
   window goes back).
 - Recurrent caches stack their fixed-size states along the batch axis.
+- Quantized KV caches (runtime/cache/quantized.py) batch each of their three parts
+  (codes, scales, biases) as a token cache of its own.
 
 Joining or leaving copies the buffers once; steps in between write in place.
 """
@@ -24,17 +26,21 @@ import mlx.core as mx
 
 from runtime.cache.kv import KVCache
 from runtime.cache.mask import Mask
+from runtime.cache.quantized import Quantized, QuantizedKVCache, append
 from runtime.cache.recurrent import RecurrentCache, RecurrentSnapshot
 from runtime.cache.rotating import RotatingKVCache, RotatingSnapshot
 
 _STEP = 256  # spare columns added at a time
 
-RowCache: TypeAlias = KVCache | RotatingKVCache | RecurrentCache
+RowCache: TypeAlias = KVCache | RotatingKVCache | RecurrentCache | QuantizedKVCache
+# a row's keys and values in one layer, oldest first: arrays, or a quantized cache's groups
+RowView: TypeAlias = tuple[mx.array, mx.array] | tuple[Quantized, Quantized]
 
 
 def batchable(caches: Sequence[object]) -> bool:
     """Whether every layer's cache is of a kind `BatchCache` can join."""
-    return all(isinstance(c, (KVCache, RotatingKVCache, RecurrentCache)) for c in caches)
+    kinds = (KVCache, RotatingKVCache, RecurrentCache, QuantizedKVCache)
+    return all(isinstance(c, kinds) for c in caches)
 
 
 def _temporal(cache: KVCache | RotatingKVCache) -> tuple[mx.array, mx.array]:
@@ -70,6 +76,18 @@ class BatchTokenCache:
     def plain(self) -> bool:
         """Rows of full-attention caches: every token kept (no window)."""
         return self._window is None
+
+    @property
+    def padding(self) -> list[int]:
+        """Each row's padding columns, before its first token."""
+        return list(self._left)
+
+    def token_bytes(self) -> int:
+        """Bytes a row's token takes in the buffers."""
+        if self.keys is None or self.values is None:
+            return 0
+        b, _, cols, _ = self.keys.shape
+        return int(self.keys.nbytes + self.values.nbytes) // max(1, b * cols)
 
     @property
     def offset(self) -> mx.array:
@@ -291,7 +309,81 @@ class BatchRecurrentCache:
         return out
 
 
-BatchCache: TypeAlias = BatchTokenCache | BatchRecurrentCache
+class BatchQuantizedCache:
+    """Rows of quantized KV caches: each of their parts (codes, scales, biases) in a
+    `BatchTokenCache` of its own, so they pad, widen, lend and leave as plain rows do."""
+
+    def __init__(self, template: QuantizedKVCache) -> None:
+        self.bits, self.group_size = template.bits, template.group_size  # configured
+        self.parts = tuple(BatchTokenCache(KVCache()) for _ in template.parts)
+        self._group = template.group_size  # the size in use, once a row has joined
+
+    @property
+    def rows(self) -> int:
+        return self.parts[0].rows
+
+    @property
+    def plain(self) -> bool:
+        return True
+
+    @property
+    def offset(self) -> mx.array:
+        return self.parts[0].offset
+
+    @property
+    def padding(self) -> list[int]:
+        return self.parts[0].padding
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for p in self.parts for a in p.state]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def token_bytes(self) -> int:
+        return sum(p.token_bytes() for p in self.parts)
+
+    def make_mask(self, length: int, window: int | None = None) -> Mask:
+        return self.parts[0].make_mask(length, window)
+
+    def update_quantized(self, keys: mx.array, values: mx.array) -> tuple[Quantized, Quantized]:
+        """Quantize and append (B, H, L, D) keys/values, one row each; every column."""
+        held = append(self.parts, keys, values, self.bits, self.group_size)
+        self._group = held[0].group_size
+        return held
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        qk, qv = self.update_quantized(keys, values)
+        return qk.dequantize(keys.shape[-1]), qv.dequantize(values.shape[-1])
+
+    def _pair(self, k: Sequence[mx.array], v: Sequence[mx.array]) -> tuple[Quantized, Quantized]:
+        bits, group = self.bits, self._group
+        return Quantized(k[0], k[1], k[2], bits, group), Quantized(v[0], v[1], v[2], bits, group)
+
+    def add(self, cache: QuantizedKVCache) -> None:
+        """Join a row (`BatchTokenCache.add`: the first row's buffers are lent)."""
+        for part, own in zip(self.parts, cache.parts, strict=True):
+            part.add(own)
+        if cache.offset:
+            self._group = cache.held()[0].group_size  # type: ignore[index]
+
+    def remove(self, rows: Sequence[int]) -> None:
+        for part in self.parts:
+            part.remove(rows)
+
+    def view(self, i: int) -> tuple[Quantized, Quantized]:
+        held = [p.view(i) for p in self.parts]
+        return self._pair([h[0] for h in held], [h[1] for h in held])
+
+    def row(self, i: int) -> QuantizedKVCache:
+        parts = [p.row(i) for p in self.parts]
+        assert all(isinstance(p, KVCache) for p in parts)
+        return QuantizedKVCache.of(self.bits, self.group_size, parts)  # type: ignore[arg-type]
+
+
+BatchCache: TypeAlias = BatchTokenCache | BatchRecurrentCache | BatchQuantizedCache
 
 
 class BatchCaches:
@@ -300,10 +392,7 @@ class BatchCaches:
     def __init__(self, template: Sequence[object]) -> None:
         if not batchable(template):
             raise ValueError("these caches cannot be batched")
-        self.layers: list[BatchCache] = [
-            BatchRecurrentCache() if isinstance(c, RecurrentCache) else BatchTokenCache(c)  # type: ignore[arg-type]
-            for c in template
-        ]
+        self.layers: list[BatchCache] = [_batch_layer(c) for c in template]
 
     @property
     def rows(self) -> int:
@@ -317,10 +406,8 @@ class BatchCaches:
         """(bytes a row adds per token it holds, bytes a row holds whatever its length)."""
         per_token = fixed = 0
         for layer in self.layers:
-            if isinstance(layer, BatchTokenCache):
-                if layer.keys is not None and layer.values is not None:
-                    b, _, cols, _ = layer.keys.shape
-                    per_token += (layer.keys.nbytes + layer.values.nbytes) // max(1, b * cols)
+            if isinstance(layer, (BatchTokenCache, BatchQuantizedCache)):
+                per_token += layer.token_bytes()
             elif layer.rows:
                 fixed += layer.nbytes // layer.rows
         return per_token, fixed
@@ -340,9 +427,21 @@ class BatchCaches:
         themselves when it is the only row: `remove` it next)."""
         return [layer.row(i) for layer in self.layers]
 
-    def views(self, i: int) -> list[tuple[mx.array, mx.array]] | None:
+    def views(self, i: int) -> list[RowView] | None:
         """Row `i`'s keys and values in every layer, without a copy; None unless every
-        layer is a full-attention token cache."""
-        if not all(isinstance(x, BatchTokenCache) and x.plain for x in self.layers):
-            return None
-        return [layer.view(i) for layer in self.layers]  # type: ignore[union-attr]
+        layer is a full-attention token cache (all plain or all quantized)."""
+        layers = self.layers
+        if all(isinstance(x, BatchTokenCache) and x.plain for x in layers):
+            return [layer.view(i) for layer in layers]  # type: ignore[union-attr]
+        if all(isinstance(x, BatchQuantizedCache) for x in layers):
+            return [layer.view(i) for layer in layers]  # type: ignore[union-attr]
+        return None
+
+
+def _batch_layer(cache: object) -> BatchCache:
+    if isinstance(cache, RecurrentCache):
+        return BatchRecurrentCache()
+    if isinstance(cache, QuantizedKVCache):
+        return BatchQuantizedCache(cache)
+    assert isinstance(cache, (KVCache, RotatingKVCache))
+    return BatchTokenCache(cache)

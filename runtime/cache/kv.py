@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 
@@ -184,9 +185,17 @@ class KVCache:
         self.keys, self.values, self._offset = keys, values, offset
 
 
+@runtime_checkable
+class Reserving(Protocol):
+    """A cache that can make room for a whole prompt at once (KV caches, plain or
+    quantized)."""
+
+    def reserve(self, tokens: int) -> None: ...
+
+
 def reserve_prompt(caches: Sequence[object], tokens: int) -> None:
     """Every KV layer among `caches` makes room for a prompt of `tokens` tokens in all,
     before its first chunk is read (`KVCache.reserve`)."""
     for c in caches:
-        if isinstance(c, KVCache):
+        if isinstance(c, Reserving):
             c.reserve(tokens)

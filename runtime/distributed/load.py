@@ -21,7 +21,7 @@ import mlx.core as mx
 from runtime.distributed.group import GroupLike, handle_of
 from runtime.distributed.pipeline import parameter_bytes
 from runtime.distributed.shard import Mode, shard_info, shard_model
-from runtime.load import LoadedModel, load
+from runtime.load import LoadedModel, QuantizeSpec, load
 from runtime.models.base import LanguageModel
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ def load_sharded(
     dtype: str | None = None,
     *,
     keep_quantized: bool | None = None,
+    quantize: QuantizeSpec | None = None,
 ) -> LoadedModel:
     """`runtime.load.loader.load` of `source`, holding only this rank's part of the weights
     (see `shard_model` for `mode`); every rank must call it with the same arguments."""
@@ -54,7 +55,7 @@ def load_sharded(
             whole / 2**20,
         )
 
-    return load(source, dtype=dtype, keep_quantized=keep_quantized, shard=shard)
+    return load(source, dtype=dtype, keep_quantized=keep_quantized, quantize=quantize, shard=shard)
 
 
 __all__ = ["load_sharded"]

@@ -92,6 +92,7 @@ def settings_of(settings: RunnerSettings) -> dict[str, Any]:
         "snapshot_interval": settings.snapshot_interval,
         "max_batch": settings.max_batch,
         "cache_memory_bytes": settings.cache_memory_bytes,
+        "kv_bits": settings.kv_bits,
     }
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from runtime.batch import DEFAULT_PREFILL_CHUNK, Scheduler, SequenceOutput
+from runtime.cache import KV_BITS, quantizing
 from runtime.prefix import CacheReport, DiskTier, Lease, PrefixCache, model_identity
 from runtime.text import DetokenizerTable, GrammarVocabulary, Sampler, TokenMatcher
 from runtime.types import Constraint, Finished, FinishReason
@@ -67,6 +68,13 @@ class RunnerSettings:
     # by default, so a server's resident memory followed its busiest moment, not its live
     # data; decode steps reuse far less than this, prefill chunks clear it anyway
     buffer_cache_bytes: int = DEFAULT_BUFFER_CACHE_BYTES
+    # full-attention layers keep keys and values in 8 or 4 bits (runtime/cache/quantized.py);
+    # None: as computed (lossless)
+    kv_bits: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_bits is not None and self.kv_bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {KV_BITS} or None, got {self.kv_bits}")
 
 
 @dataclass(frozen=True)
@@ -90,8 +98,10 @@ class ModelRunner:
         mx.set_cache_limit(self.settings.buffer_cache_bytes)
         tok = loaded.tokenizer
         self._detok_table = DetokenizerTable.build(tok.hf, tok.special_ids)
+        # the model's caches, full-attention layers quantized with --kv-bits
+        self.make_caches = quantizing(loaded.model.make_caches, self.settings.kv_bits)
         self.prefix: PrefixCache[Any] = self.prefix_cache_type(
-            loaded.model.make_caches,
+            self.make_caches,
             budget_bytes=self.settings.prefix_cache_bytes,
             snapshot_interval=self.settings.snapshot_interval,
             disk=_disk_tier(loaded, self.settings),
@@ -105,7 +115,7 @@ class ModelRunner:
         self.scheduler = self.scheduler_type(
             loaded.model,
             self.prefix,
-            make_caches=loaded.model.make_caches,
+            make_caches=self.make_caches,
             max_batch=self.settings.max_batch,
             prefill_chunk=self.settings.prefill_chunk,
             memory_bytes=self.settings.cache_memory_bytes,
@@ -218,15 +228,20 @@ def _disk_tier(loaded: LoadedModel, settings: RunnerSettings) -> DiskTier | None
     """The prefix cache's disk tier, when a directory is set and both caches have room.
 
     The identity covers what changes the cached state: the weights (files' names, sizes,
-    mtimes), the dtype they were loaded in, and the device computing it."""
+    mtimes), the dtype they were loaded in and the format they are held in (float,
+    quantized at load, or as the file stores them), the device computing it, and the KV
+    cache's bits (each layer's layout names them too: runtime/cache/codec.py)."""
     root = settings.prefix_cache_dir
     if root is None or settings.prefix_cache_bytes <= 0 or settings.prefix_cache_disk_bytes <= 0:
         return None
+    # a lossless cache adds nothing: its files from before --kv-bits existed stay valid
+    kv = () if settings.kv_bits is None else (f"kv_bits={settings.kv_bits}",)
     identity = model_identity(
         loaded.source,
         f"dtype={loaded.dtype}",
-        f"quantized={loaded.quantized}",
+        f"weights={loaded.weight_format}",  # "float32", "q4g64", "gguf-native", ...
         f"device={mx.default_device()}",
+        *kv,
     )
     return DiskTier.open(
         Path(root).expanduser(), max_bytes=settings.prefix_cache_disk_bytes, identity=identity

@@ -18,6 +18,7 @@ from runtime.kernels.bridge import (
     gemm_rows,
     kernels,
     linear,
+    quantized_attention,
     thread_count,
 )
 from runtime.kernels.primitives import (
@@ -45,6 +46,7 @@ __all__ = [
     "kernels",
     "linear",
     "qmatmul",
+    "quantized_attention",
     "quantized_ready",
     "thread_count",
 ]

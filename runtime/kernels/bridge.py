@@ -4,7 +4,8 @@ MLX's CPU `exp` is scalar (about 45M floats/s on one core), so on the CPU the so
 a long prompt's attention and the MLP's activation cost more than the matmuls around them.
 `runtime/kernels/kernels.c`, compiled by `pip install` into a plain shared library, does
 the same maths with a vectorised exp and several threads: attention as blocked
-attention with an online softmax (causal or unmasked, grouped KV heads), and the gated
+attention with an online softmax (causal or unmasked, grouped KV heads; also over a
+quantized KV cache's 8- or 4-bit groups, `quantized_attention`), and the gated
 MLP's ``act(gate) * up`` for silu and tanh-gelu. The quantized products (quantized.c,
 qdot.c) are MLX primitives instead (primitives.py): ctypes would break a decode step's
 lazy graph at every layer (Qwen2.5-0.5B at 4 bits, one stream, the same float kernel
@@ -14,7 +15,9 @@ The bridge evaluates its inputs (`mx.eval`), hands the kernels zero-copy numpy v
 MLX's CPU buffers, runs them with the GIL released (ctypes does) and wraps the result
 in a new array. It therefore must not run under `mx.compile` or a transform; the
 model code calls it only on the CPU, only for prefill-sized inputs (decode steps keep
-MLX's lazy graph), and falls back to MLX (the caller's path) by returning None.
+MLX's lazy graph, except over a quantized KV cache, where MLX's ops are slower still:
+runtime/models/quantized_attention.py), and falls back to MLX (the caller's path) by
+returning None.
 
 Environment: ``MLX_GATEWAY_CPU_ATTENTION=0`` forces MLX's own ops for all of these
 kernels (tests, comparisons); ``MLX_GATEWAY_CPU_THREADS`` sets the thread count (default:
@@ -28,6 +31,7 @@ import ctypes
 import functools
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -92,6 +96,29 @@ class _AttnArgs(ctypes.Structure):
     ]
 
 
+class _QAttnArgs(ctypes.Structure):
+    """kernels.c QAttnArgs: attention over a quantized KV cache."""
+
+    _fields_ = [
+        ("base", _AttnArgs),
+        ("kq", ctypes.c_void_p),
+        ("vq", ctypes.c_void_p),
+        ("ks", ctypes.c_void_p),
+        ("kb", ctypes.c_void_p),
+        ("vs", ctypes.c_void_p),
+        ("vb", ctypes.c_void_p),
+        ("kq_strides", ctypes.c_int64 * 3),
+        ("vq_strides", ctypes.c_int64 * 3),
+        ("ks_strides", ctypes.c_int64 * 3),
+        ("kb_strides", ctypes.c_int64 * 3),
+        ("vs_strides", ctypes.c_int64 * 3),
+        ("vb_strides", ctypes.c_int64 * 3),
+        ("starts", ctypes.c_void_p),
+        ("bits", ctypes.c_int32),
+        ("group", ctypes.c_int32),
+    ]
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The loaded library and the thread count it runs with."""
@@ -141,6 +168,8 @@ def _load(path: Path | None) -> Kernels | None:
         lib = ctypes.CDLL(str(path))
         lib.mlxgw_attention.argtypes = [ctypes.POINTER(_AttnArgs)]
         lib.mlxgw_attention.restype = ctypes.c_int
+        lib.mlxgw_attention_quantized.argtypes = [ctypes.POINTER(_QAttnArgs)]
+        lib.mlxgw_attention_quantized.restype = ctypes.c_int
         lib.mlxgw_gated_mul.argtypes = [
             ctypes.c_void_p,
             ctypes.c_void_p,
@@ -247,6 +276,86 @@ def attention(
         return None
     # (B, L, Hq, D) memory seen as (B, Hq, L, D): the caller's transpose back is free
     return mx.array(out).transpose(0, 2, 1, 3).astype(dtype)
+
+
+# (codes, scales, biases) of keys or values, as `mx.quantize` gives them along head_dim
+QuantizedArrays = tuple[mx.array, mx.array, mx.array]
+QUANTIZED_KV_BITS = (4, 8)
+
+
+def quantized_attention(
+    q: mx.array,
+    keys: QuantizedArrays,
+    values: QuantizedArrays,
+    *,
+    bits: int,
+    group_size: int,
+    scale: float,
+    causal: bool,
+    starts: Sequence[int] | None = None,
+) -> mx.array | None:
+    """(B, Hq, L, D) queries over a quantized cache's (B, Hkv, K, ...) keys and values,
+    dequantized a block at a time inside the kernel; None to use MLX instead.
+
+    As `attention`, plus: `starts` gives each batch row's first key (the keys before it,
+    a batch row's left padding, are not seen). Any number of rows, one included: the
+    caller decides when a decode step comes here (runtime/models/quantized_attention.py).
+    """
+    batch, q_heads, length, dim = q.shape
+    kq, ks, kb = keys
+    vq, vs, vb = values
+    kv_heads, count = kq.shape[1], kq.shape[2]
+    if (
+        bits not in QUANTIZED_KV_BITS
+        or group_size % 8
+        or dim % group_size
+        or dim > MAX_HEAD_DIM
+        or count < length
+        or q_heads % kv_heads
+        or kq.shape[-1] * 32 != dim * bits
+        or vq.shape[-1] * 32 != dim * bits
+        or any(x.shape[-1] * group_size != dim for x in (ks, kb, vs, vb))
+        or (starts is not None and len(starts) != batch)
+        or q.dtype not in _FLOAT_TYPES
+    ):
+        return None
+    lib = kernels()
+    if lib is None:
+        return None
+    dtype = q.dtype
+    q = q.astype(mx.float32)
+    groups = [x.astype(mx.float32) for x in (ks, kb, vs, vb)]
+    mx.eval(q, kq, vq, *groups)
+    qn = _view(q)
+    kqn, vqn = _codes(kq), _codes(vq)
+    ksn, kbn, vsn, vbn = (_view(x) for x in groups)
+    out = np.empty((batch, length, q_heads, dim), dtype=np.float32)
+    first = None if starts is None else np.asarray(starts, dtype=np.int32)
+    nostrides = (ctypes.c_int64 * 3)(0, 0, 0)
+    base = _AttnArgs(
+        qn.ctypes.data, None, None, out.ctypes.data,
+        _strides(qn, (0, 1, 2)), nostrides, nostrides, _strides(out, (0, 2, 1)),
+        batch, q_heads, kv_heads, length, count, dim, scale, int(causal),
+        lib.threads, int(lib.generic),
+    )  # fmt: skip
+    args = _QAttnArgs(
+        base, kqn.ctypes.data, vqn.ctypes.data,
+        ksn.ctypes.data, kbn.ctypes.data, vsn.ctypes.data, vbn.ctypes.data,
+        *(_strides(x, (0, 1, 2)) for x in (kqn, vqn, ksn, kbn, vsn, vbn)),
+        None if first is None else first.ctypes.data, bits, group_size,
+    )  # fmt: skip
+    status = lib.lib.mlxgw_attention_quantized(ctypes.byref(args))
+    if status != 0:
+        log.warning("CPU quantized attention kernel failed (status %d); using MLX's", status)
+        return None
+    return mx.array(out).transpose(0, 2, 1, 3).astype(dtype)
+
+
+def _codes(x: mx.array) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """An evaluated uint32 array of packed codes as bytes (strides in bytes)."""
+    words = _view(x)
+    out: np.ndarray[Any, np.dtype[np.uint8]] = words.view(np.uint8)
+    return out
 
 
 def gated_mul(gate: mx.array, up: mx.array, activation: str) -> mx.array | None:

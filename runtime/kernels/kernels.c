@@ -5,6 +5,8 @@
  * vectorised exp2 and several threads:
  *
  *   mlxgw_attention: blocked attention with an online softmax (causal or unmasked, GQA)
+ *   mlxgw_attention_quantized: the same over keys and values held as MLX's 8- or 4-bit
+ *       affine groups (a --kv-bits cache), dequantized a key block at a time
  *   mlxgw_gated_mul: silu(g) * u or gelu_tanh(g) * u, elementwise (the gated MLP)
  *
  * Everything is written with the GCC/clang vector extension (8 floats per vector), so one
@@ -59,6 +61,24 @@ typedef struct {
     int32_t generic; /* 1: the portable code even where AVX2 is available (tests) */
 } AttnArgs;
 
+/* Attention over a quantized KV cache: `base` as for mlxgw_attention (its k and v unused),
+ * keys and values as `mx.quantize` gave them along head_dim: codes (the uint32 words read
+ * as bytes, element i of a row in byte i * bits / 8, low bits first) and one float32
+ * scale and bias per `group` elements (value = scale * code + bias). Strides count
+ * bytes for the codes and floats for the scales and biases. `starts` (NULL: all 0) gives
+ * each batch row's first key: the keys before it (a batch row's left padding) are never
+ * read. */
+typedef struct {
+    AttnArgs base;
+    const uint8_t *kq, *vq;         /* (B, Hkv, K, D * bits / 8) */
+    const float *ks, *kb, *vs, *vb; /* (B, Hkv, K, D / group) */
+    int64_t kq_strides[3], vq_strides[3], ks_strides[3], kb_strides[3], vs_strides[3],
+        vb_strides[3];
+    const int32_t *starts; /* (B) or NULL */
+    int32_t bits;          /* 8 or 4 */
+    int32_t group;         /* a multiple of 8 dividing dim */
+} QAttnArgs;
+
 /* Each work item is QBLOCK rows of one KV head; it walks the keys KBLOCK at a time and
  * each block in tiles of ROWS rows x KSTEP keys (scores) and ROWS rows x DSTEP dims (values):
  * 12 vector accumulators, which fit AVX2's 16 registers. Block sizes from 64 to 512 keys
@@ -79,7 +99,40 @@ typedef struct {
     float *m;   /* (QBLOCK) running max, in log2 units */
     float *l;   /* (QBLOCK) running sum */
     int32_t *pos; /* (QBLOCK) key position of each row */
+    float *kbuf;  /* (KBLOCK, dim): a quantized cache's key block, dequantized */
+    float *vbuf;  /* (KBLOCK, dim): its value block */
 } Scratch;
+
+typedef uint8_t v8u8 __attribute__((vector_size(8)));
+
+/* `count` rows of quantized codes (row stride `ldq` bytes; scales and biases at row
+ * strides `lds`, `ldb` floats) into `out` (count, dim) floats. */
+INLINE void dequantize_rows(const uint8_t *codes, int64_t ldq, const float *scales,
+                            int64_t lds, const float *biases, int64_t ldb, int bits,
+                            int group, int dim, int count, float *out) {
+    const v8i shifts = {0, 4, 8, 12, 16, 20, 24, 28};
+    for (int j = 0; j < count; j++) {
+        const uint8_t *c = codes + j * ldq;
+        const float *sc = scales + j * lds, *bi = biases + j * ldb;
+        float *o = out + (int64_t)j * dim;
+        for (int g0 = 0, g = 0; g0 < dim; g0 += group, g++) {
+            v8f s = vsplat(sc[g]), b = vsplat(bi[g]);
+            for (int i = g0; i < g0 + group; i += 8) {
+                v8f x;
+                if (bits == 8) {
+                    v8u8 u;
+                    memcpy(&u, c + i, sizeof u);
+                    x = __builtin_convertvector(u, v8f);
+                } else {
+                    uint32_t w;
+                    memcpy(&w, c + i / 2, sizeof w);
+                    x = __builtin_convertvector((vsplati((int32_t)w) >> shifts) & 15, v8f);
+                }
+                vstore(o + i, x * s + b);
+            }
+        }
+    }
+}
 
 /* scores St[i][0:16] = sum_d Qt[d][0:16] * K[i][d] for `n` keys (n <= KSTEP, a constant
  * after inlining, so the accumulators live in registers) */
@@ -196,6 +249,24 @@ INLINE void softmax_block(float *st, int count, int32_t j0, const int32_t *pos, 
     }
 }
 
+INLINE int64_t at3(const int64_t *strides, int b, int h, int64_t row) {
+    return b * strides[0] + h * strides[1] + row * strides[2];
+}
+
+/* Keys [j0, j0 + count) of (batch b, KV head h) into s->kbuf, their values into s->vbuf. */
+INLINE void dequantize_key_block(const QAttnArgs *qa, int b, int h, int32_t j0, int count,
+                                 Scratch *s) {
+    const int dim = qa->base.dim;
+    dequantize_rows(qa->kq + at3(qa->kq_strides, b, h, j0), qa->kq_strides[2],
+                    qa->ks + at3(qa->ks_strides, b, h, j0), qa->ks_strides[2],
+                    qa->kb + at3(qa->kb_strides, b, h, j0), qa->kb_strides[2], qa->bits,
+                    qa->group, dim, count, s->kbuf);
+    dequantize_rows(qa->vq + at3(qa->vq_strides, b, h, j0), qa->vq_strides[2],
+                    qa->vs + at3(qa->vs_strides, b, h, j0), qa->vs_strides[2],
+                    qa->vb + at3(qa->vb_strides, b, h, j0), qa->vb_strides[2], qa->bits,
+                    qa->group, dim, count, s->vbuf);
+}
+
 /* Row `r` of a KV head's rows: the rows of one KV head are its (query, query head) pairs,
  * query-major, so the heads sharing the KV head (GQA) share its work item and the rows'
  * key positions never decrease. */
@@ -204,8 +275,9 @@ INLINE int64_t row_offset(const int64_t *strides, int b, int kvh, int group, int
     return b * strides[0] + head * strides[1] + query * strides[2];
 }
 
-/* One work item: QBLOCK rows of one (batch, KV head) against the keys they see. */
-INLINE void attend_item(const AttnArgs *a, Scratch *s, int64_t item) {
+/* One work item: QBLOCK rows of one (batch, KV head) against the keys they see; `qa`
+ * (NULL: float keys and values) a quantized cache's, dequantized a key block at a time. */
+INLINE void attend_item(const AttnArgs *a, const QAttnArgs *qa, Scratch *s, int64_t item) {
     const int group = a->q_heads / a->kv_heads;
     const int64_t total_rows = (int64_t)a->length * group;
     const int64_t nqb = (total_rows + QBLOCK - 1) / QBLOCK;
@@ -218,8 +290,8 @@ INLINE void attend_item(const AttnArgs *a, Scratch *s, int64_t item) {
     const int rows = total_rows - r0 < QBLOCK ? (int)(total_rows - r0) : QBLOCK;
     const int tiles = (rows + ROWS - 1) / ROWS;
     const float qscale = a->scale * 1.4426950408889634f; /* scores in log2 units */
-    const float *kp = a->k + b * a->k_strides[0] + kvh * a->k_strides[1];
-    const float *vp = a->v + b * a->v_strides[0] + kvh * a->v_strides[1];
+    const float *kp = qa != NULL ? NULL : a->k + b * a->k_strides[0] + kvh * a->k_strides[1];
+    const float *vp = qa != NULL ? NULL : a->v + b * a->v_strides[0] + kvh * a->v_strides[1];
 
     for (int r = 0; r < tiles * ROWS; r++) {
         int real = r < rows ? r : rows - 1; /* padding rows copy the last row's position */
@@ -234,20 +306,30 @@ INLINE void attend_item(const AttnArgs *a, Scratch *s, int64_t item) {
         }
     }
     const int32_t key_end = s->pos[tiles * ROWS - 1] + 1;
-    for (int32_t j0 = 0; j0 < key_end; j0 += KBLOCK) {
+    const int32_t key_start = qa != NULL && qa->starts != NULL ? qa->starts[b] : 0;
+    int64_t ldk = a->k_strides[2], ldv = a->v_strides[2];
+    if (qa != NULL) ldk = ldv = dim;
+    for (int32_t j0 = key_start; j0 < key_end; j0 += KBLOCK) {
         const int32_t block_end = j0 + KBLOCK < key_end ? j0 + KBLOCK : key_end;
-        const float *kb = kp + j0 * a->k_strides[2];
-        const float *vb = vp + j0 * a->v_strides[2];
+        const float *kb, *vb;
+        if (qa != NULL) {
+            dequantize_key_block(qa, b, kvh, j0, block_end - j0, s);
+            kb = s->kbuf;
+            vb = s->vbuf;
+        } else {
+            kb = kp + j0 * a->k_strides[2];
+            vb = vp + j0 * a->v_strides[2];
+        }
         for (int t = 0; t < tiles; t++) {
             const int32_t *pos = s->pos + t * ROWS;
             int32_t tile_end = pos[ROWS - 1] + 1 < block_end ? pos[ROWS - 1] + 1 : block_end;
             int count = tile_end - j0;
             if (count <= 0) continue;
             int masked = tile_end - 1 > pos[0];
-            score_block(s->qt + t * ROWS, kb, a->k_strides[2], dim, count, s->st);
+            score_block(s->qt + t * ROWS, kb, ldk, dim, count, s->st);
             softmax_block(s->st, count, j0, pos, masked, s->m + t * ROWS, s->l + t * ROWS,
                           s->ot + t * ROWS, dim);
-            value_block(s->st, vb, a->v_strides[2], dim, count, s->ot + t * ROWS);
+            value_block(s->st, vb, ldv, dim, count, s->ot + t * ROWS);
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -258,12 +340,21 @@ INLINE void attend_item(const AttnArgs *a, Scratch *s, int64_t item) {
 }
 
 static void attend_item_generic(const AttnArgs *a, Scratch *s, int64_t item) {
-    attend_item(a, s, item);
+    attend_item(a, NULL, s, item);
+}
+
+/* `a` is the `base` of a QAttnArgs */
+static void attend_qitem_generic(const AttnArgs *a, Scratch *s, int64_t item) {
+    attend_item(a, (const QAttnArgs *)a, s, item);
 }
 
 #if HAVE_X86_DISPATCH
 TARGET_AVX2 static void attend_item_avx2(const AttnArgs *a, Scratch *s, int64_t item) {
-    attend_item(a, s, item);
+    attend_item(a, NULL, s, item);
+}
+
+TARGET_AVX2 static void attend_qitem_avx2(const AttnArgs *a, Scratch *s, int64_t item) {
+    attend_item(a, (const QAttnArgs *)a, s, item);
 }
 #endif
 
@@ -424,6 +515,7 @@ typedef struct {
     int64_t total;
     int failed;   /* a worker could not allocate its scratch */
     const AttnArgs *attn;
+    int quantized; /* attn is a QAttnArgs's base: the workers need key-block scratch */
     ItemFn item_fn;
     const float *g, *u;
     float *out;
@@ -446,7 +538,10 @@ static void *attn_worker(void *arg) {
     s.m = malloc(QBLOCK * sizeof(float));
     s.l = malloc(QBLOCK * sizeof(float));
     s.pos = malloc(QBLOCK * sizeof(int32_t));
-    if (!s.qt || !s.ot || !s.st || !s.m || !s.l || !s.pos) {
+    s.kbuf = job->quantized ? malloc((size_t)KBLOCK * a->dim * sizeof(float)) : NULL;
+    s.vbuf = job->quantized ? malloc((size_t)KBLOCK * a->dim * sizeof(float)) : NULL;
+    if (!s.qt || !s.ot || !s.st || !s.m || !s.l || !s.pos ||
+        (job->quantized && (!s.kbuf || !s.vbuf))) {
         __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
     } else {
         for (;;) {
@@ -461,6 +556,8 @@ static void *attn_worker(void *arg) {
     free(s.m);
     free(s.l);
     free(s.pos);
+    free(s.kbuf);
+    free(s.vbuf);
     return NULL;
 }
 
@@ -500,6 +597,31 @@ EXPORT int mlxgw_attention(const AttnArgs *a) {
     job.item_fn = attend_item_generic;
 #if HAVE_X86_DISPATCH
     if (use_avx2(a->generic)) job.item_fn = attend_item_avx2;
+#endif
+    run_threads(attn_worker, &job, a->threads < 1 ? 1 : a->threads);
+    return job.failed ? 2 : 0;
+}
+
+/* mlxgw_attention over a quantized cache (QAttnArgs); the same return codes. */
+EXPORT int mlxgw_attention_quantized(const QAttnArgs *qa) {
+    const AttnArgs *a = &qa->base;
+    if (a->batch < 1 || a->q_heads < 1 || a->kv_heads < 1 || a->q_heads % a->kv_heads != 0 ||
+        a->length < 1 || a->keys < a->length || a->dim < 1 || a->dim > MAX_DIM ||
+        (qa->bits != 8 && qa->bits != 4) || qa->group < 8 || qa->group % 8 != 0 ||
+        a->dim % qa->group != 0)
+        return 1;
+    if (qa->starts != NULL) {
+        for (int32_t b = 0; b < a->batch; b++)
+            if (qa->starts[b] < 0 || qa->starts[b] > a->keys - a->length) return 1;
+    }
+    Job job = {0};
+    job.attn = a;
+    job.quantized = 1;
+    int64_t rows = (int64_t)a->length * (a->q_heads / a->kv_heads);
+    job.total = (int64_t)a->batch * a->kv_heads * ((rows + QBLOCK - 1) / QBLOCK);
+    job.item_fn = attend_qitem_generic;
+#if HAVE_X86_DISPATCH
+    if (use_avx2(a->generic)) job.item_fn = attend_qitem_avx2;
 #endif
     run_threads(attn_worker, &job, a->threads < 1 ? 1 : a->threads);
     return job.failed ? 2 : 0;

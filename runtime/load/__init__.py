@@ -5,12 +5,21 @@ from __future__ import annotations
 
 from runtime.load.gguf import GGUFFile, hf_config, tokenizer_from_gguf
 from runtime.load.loaded import LoadedModel, ShardHook
-from runtime.load.loader import load
+from runtime.load.loader import check_quantize, load
+from runtime.load.precision import (
+    DEFAULT_QUANTIZE_GROUP,
+    QUANTIZE_GROUPS,
+    QuantizeSpec,
+)
 
 __all__ = [
+    "DEFAULT_QUANTIZE_GROUP",
+    "QUANTIZE_GROUPS",
     "GGUFFile",
     "LoadedModel",
+    "QuantizeSpec",
     "ShardHook",
+    "check_quantize",
     "hf_config",
     "load",
     "tokenizer_from_gguf",

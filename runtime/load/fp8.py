@@ -32,6 +32,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from runtime.load.affine import affine_quantize
+from runtime.load.precision import is_expert_stack
+
 _FP8 = "F8_E4M3"
 _E8M0 = "F8_E8M0"  # scale_fmt "ue8m0": one exponent byte, 2 ** (byte - 127)
 _UNSUPPORTED_FP8 = frozenset({"F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
@@ -216,14 +219,18 @@ def _refuse_activation_scales(weights: Iterable[str]) -> None:
         )
 
 
-def requantize(converted: Fp8Weights, dtype: mx.Dtype) -> Fp8Weights:
-    """The decoded fp8 matrices (``*.weight``, 2-D: Linear layers and per-expert
-    projections) as MLX affine ``REQUANT_BITS``-bit triplets in an MLX-quantized
+def requantize(
+    converted: Fp8Weights, scales_dtype: mx.Dtype, *, experts: bool = True
+) -> Fp8Weights:
+    """The decoded fp8 matrices (``*.weight``, 2-D: Linear layers and, with ``experts``,
+    per-expert projections) as MLX affine ``REQUANT_BITS``-bit triplets (the min-max grid
+    of runtime/load/affine.py, scales/biases in ``scales_dtype``) in an MLX-quantized
     folder's names, with its ``quantization`` config; one group size for all (the largest
     of 64, 32 dividing every input width); the rest (vectors, stacked tensors, widths
     no group divides, MoE routers: routing is precision-sensitive) stay float."""
     names = [n for n in converted.fp8_names if n.endswith(".weight") and not _router(n)]
     names = [n for n in names if converted.weights[n].ndim == 2]
+    names = [n for n in names if experts or not is_expert_stack(n)]
     widths = {int(converted.weights[n].shape[-1]) for n in names}
     group = next((g for g in _REQUANT_GROUPS if all(w % g == 0 for w in widths)), 32)
     weights = dict(converted.weights)
@@ -232,10 +239,12 @@ def requantize(converted: Fp8Weights, dtype: mx.Dtype) -> Fp8Weights:
         if weights[name].shape[-1] % group:
             continue
         module = name.removesuffix(".weight")
-        q, scales, biases = mx.quantize(weights[name], group_size=group, bits=REQUANT_BITS)
+        q, scales, biases = affine_quantize(
+            weights[name], group_size=group, bits=REQUANT_BITS, scales_dtype=scales_dtype
+        )
         weights[name] = q
-        weights[f"{module}.scales"] = scales.astype(dtype)
-        weights[f"{module}.biases"] = biases.astype(dtype)
+        weights[f"{module}.scales"] = scales
+        weights[f"{module}.biases"] = biases
         count += 1
     quant = {"bits": REQUANT_BITS, "group_size": group, "mode": "affine"} if count else None
     return Fp8Weights(weights, converted.fp8_names, quant)

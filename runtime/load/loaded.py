@@ -53,6 +53,10 @@ class LoadedModel:
     context_length: int
     quantized: bool
     dtype: str
+    # how the weights are held, for what must not cross a change of it (the prefix
+    # cache's disk tier): the float dtype, "q4g64" (--quantize), "gguf-native",
+    # "mlx-native", "fp8-q8g64"
+    weight_format: str
     load_seconds: float = 0.0
     # generation_config.json as the model's authors wrote it (a GGUF's general.sampling.*
     # metadata under the same names): their recommended sampling, among other things

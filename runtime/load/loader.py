@@ -17,20 +17,40 @@ A folder quantized any other way (quantization_config.quant_method "gptq", "awq"
 "bitsandbytes", "compressed-tensors", ... or one we have never heard of) is refused
 before any weight is read, with a ValueError naming the method and what to use instead.
 
-Precision policy: on the CPU everything becomes float32 (MLX's CPU backend has fast
-float32 matmuls only; bf16 and quantized matmuls are several times slower), so quantized
-weights are dequantized at load. On an accelerator quantized weights stay quantized:
-MLX triplets as stored; GGUF blocks converted exactly to MLX affine form where one exists
-(Q4_0/Q4_1/Q4_K -> 4 bits, Q5_0/Q5_1/Q5_K -> 5 bits, Q8_0 -> 8 bits, all group 32) and
-re-quantized otherwise (Q6_K -> 8 bits; see runtime.load.gguf.quants.requantize_bits).
+Precision policy (runtime/load/precision.py). Quantized weights stay quantized wherever
+quantized matmuls are fast: on an accelerator, and on the CPU once runtime.kernels'
+extension is loaded (`quantized_ready`; without it the CPU dequantizes everything to
+float32, since MLX's own CPU quantized matmul is a scalar single-thread loop).
 
-Scales/biases of quantized weights are stored in the compute dtype (quantized matmuls
-return the scales' dtype). A shared scale rounded to bfloat16 shifts all 32 weights of a
-group together, and those errors add up coherently in a dot product (SmolLM2: greedy
-argmax agrees on 84% of positions with float32, against 95% for plain bf16 weights and
-100% with float16 scales). So when no dtype is asked for, a quantized GGUF computes in
-float16, whose scales are exactly GGUF's; Gemma in float32, because its residual stream
-can overflow float16. An MLX-quantized folder computes in the dtype of its own scales.
+- The CPU computes in float32 (its fast matmuls and our kernels take float32 inputs).
+  Scales/biases are stored as float16 where that is exact for the source (GGUF's legacy
+  types Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, checked per tensor), as float32 where it is not (Q4_K,
+  Q5_K: measured in runtime/load/gguf/quants.py), as stored for an MLX-quantized folder,
+  and as float16 for weights re-quantized at load (the grid is fit to them:
+  runtime/load/affine.py). Every MLX width has an int8 decode kernel on the CPU
+  (runtime/kernels/qdot.c), so GGUF's 5-bit types stay 5-bit; types with no exact affine form (Q6_K, Q2_K, Q3_K, IQ*) are re-quantized to
+  8 bits. Stacked MoE experts (SwitchLinear) are dequantized to float32 (MLX's CPU
+  gather_qmm is a scalar loop too; one log line says so); ``keep_quantized=True`` keeps
+  them quantized.
+- On an accelerator GGUF blocks convert exactly to MLX affine form where one exists
+  (Q4_0/Q4_1/Q4_K -> 4 bits, Q5_0/Q5_1/Q5_K -> 5 bits, Q8_0 -> 8 bits, all group 32) and
+  are re-quantized otherwise (runtime.load.gguf.quants.requantize_bits). Scales/biases
+  there are stored in the compute dtype (quantized matmuls return the scales' dtype). A
+  shared scale rounded to bfloat16 shifts all 32 weights of a group together, and those
+  errors add up coherently in a dot product (SmolLM2: greedy argmax agrees on 84% of
+  positions with float32, against 95% for plain bf16 weights and 100% with float16
+  scales). So when no dtype is asked for, a quantized GGUF computes in float16, whose
+  scales are exactly GGUF's; Gemma in float32, because its residual stream can overflow
+  float16. An MLX-quantized folder computes in the dtype of its own scales.
+- Embeddings stay quantized like any other 2-D weight (QuantizedEmbedding: a lookup
+  dequantizes the rows it reads; a tied head multiplies through the quantized matmul).
+
+``quantize`` (`--quantize q4|q8`, runtime.load.precision.QuantizeSpec) quantizes a float
+source at load: a bf16/f16/f32 or FP8 folder, or a GGUF whose tensors are all float. Every
+Linear of the language model whose input width the group divides becomes affine 4 or 8
+bits; the token embeddings and the output head 8 bits under q4; vision towers and MoE
+routers stay float. An already-quantized source is refused with a ValueError naming what
+it is (`check_quantize` says so before loading).
 """
 
 from __future__ import annotations
@@ -45,9 +65,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from runtime import backend
 from runtime.load import fp8
-from runtime.load.gguf.loader import load_gguf
+from runtime.load.gguf.loader import check_float_gguf, load_gguf
+from runtime.load.gguf.reader import GGUFFile
 from runtime.load.loaded import (
     LoadedModel,
     ShardHook,
@@ -56,9 +76,17 @@ from runtime.load.loaded import (
     quantize_modules,
     resolve_dtype,
 )
+from runtime.load.precision import (
+    Precision,
+    QuantizeSpec,
+    is_vision,
+    log_dequantized_experts,
+    quantize_weights,
+)
 from runtime.load.quantized import (
     check_quant_method,
     dequantize_all,
+    dequantize_modules,
     quant_config,
     quantized_modules,
     scales_dtype,
@@ -75,36 +103,70 @@ def load(
     *,
     dtype: str | None = None,
     keep_quantized: bool | None = None,
+    quantize: QuantizeSpec | None = None,
     shard: ShardHook | None = None,
 ) -> LoadedModel:
     """Load a HF folder, an MLX-quantized folder or a GGUF file (see module docstring).
 
-    ``dtype``: float dtype of the weights (None: float32 on CPU, bfloat16 elsewhere, and
-    for weights kept quantized the dtype of their scales, see the module docstring).
-    ``keep_quantized``: override the precision policy (None: dequantize on CPU only).
+    ``dtype``: compute dtype (None: float32 on CPU; elsewhere bfloat16, or for weights
+    kept quantized the dtype of their scales, see the module docstring).
+    ``keep_quantized``: override the precision policy (None: keep quantized weights
+    quantized where quantized matmuls are fast; True also keeps MoE experts quantized on
+    the CPU). ``quantize``: quantize a float source's weights at load (`--quantize`).
     ``shard``: runs on the loaded, not yet evaluated model (see ShardHook).
     """
     path = Path(source).expanduser()
-    if keep_quantized is None:
-        keep_quantized = not backend.on_cpu()
+    precision = Precision.choose(keep_quantized, quantize)
     started = time.perf_counter()
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        loaded = load_gguf(path, dtype, keep_quantized, shard)
+    gguf = _gguf_file(path)
+    if gguf is not None:
+        loaded = load_gguf(gguf, dtype, precision, shard)
     elif path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if not (path / "config.json").is_file() and len(ggufs) == 1:
-            loaded = load_gguf(ggufs[0], dtype, keep_quantized, shard)
-        else:
-            loaded = _load_folder(path, dtype, keep_quantized, shard)
+        loaded = _load_folder(path, dtype, precision, shard)
     elif path.exists():
         raise ValueError(f"{path}: expected a model folder or a .gguf file")
     else:
         raise FileNotFoundError(f"model source {path} does not exist")
     seconds = time.perf_counter() - started
     log.info(
-        "loaded %s in %.1f s (%s, quantized=%s)", path, seconds, loaded.dtype, loaded.quantized
+        "loaded %s in %.1f s (%s, weights %s)", path, seconds, loaded.dtype, loaded.weight_format
     )
     return replace(loaded, load_seconds=seconds)
+
+
+def check_quantize(source: str | Path, spec: QuantizeSpec) -> None:
+    """A ValueError when `--quantize` makes no sense for ``source`` (already quantized:
+    the message says how), read from its config or GGUF header only: a server refuses at
+    startup, not at the first load."""
+    path = Path(source).expanduser()
+    gguf = _gguf_file(path)
+    if gguf is not None:
+        check_float_gguf(GGUFFile(gguf), spec)
+    elif (path / "config.json").is_file():
+        _check_float_folder(path, _read_config(path), spec)
+
+
+def _gguf_file(path: Path) -> Path | None:
+    """The GGUF file a source names: the file, or a folder's only .gguf (no config.json)."""
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        return ggufs[0] if len(ggufs) == 1 else None
+    return None
+
+
+def _check_float_folder(folder: Path, config: Mapping[str, Any], spec: QuantizeSpec) -> None:
+    check_quant_method(config)
+    quant = quant_config(config)
+    if quant is None:
+        return
+    raise ValueError(
+        f"{folder.name} is already MLX-quantized ({quant['bits']}-bit, group "
+        f"{quant.get('group_size', 64)}): --quantize {spec.name[:2]} quantizes float weights "
+        "only (a bf16/f16/f32 or FP8 safetensors folder, or an F16/BF16/F32 GGUF); serve "
+        "this folder without --quantize"
+    )
 
 
 # -- folders ------------------------------------------------------------------------------
@@ -144,16 +206,18 @@ def _read_weights(files: Iterable[Path]) -> dict[str, mx.array]:
     return weights
 
 
-def _cast_floats(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
-    """Float weights to ``dtype``; quantized scales/biases too (they must match inputs).
-    MoE routers' score-correction biases stay float32, as transformers keeps them: in
-    bfloat16 they can swap which expert wins a near-tie."""
+def _cast_floats(
+    weights: dict[str, mx.array], dtype: mx.Dtype, *, keep_scales: bool = False
+) -> dict[str, mx.array]:
+    """Float weights to ``dtype``; quantized scales/biases too (they must match inputs),
+    unless ``keep_scales`` (the CPU's layout: runtime/load/precision.py). MoE routers'
+    score-correction biases stay float32, as transformers keeps them: in bfloat16 they can
+    swap which expert wins a near-tie."""
+    kept = _FLOAT32_KEYS + ((".scales", ".biases") if keep_scales else ())
     return {
         k: (
             v.astype(dtype)
-            if mx.issubdtype(v.dtype, mx.floating)
-            and v.dtype != dtype
-            and not k.endswith(_FLOAT32_KEYS)
+            if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype and not k.endswith(kept)
             else v
         )
         for k, v in weights.items()
@@ -163,45 +227,53 @@ def _cast_floats(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.
 _FLOAT32_KEYS = ("e_score_correction_bias",)
 
 
-def _is_vision(name: str) -> bool:
-    return "vision" in name or name.startswith(("visual.", "model.visual."))  # Qwen's: visual
-
-
 def _without_vision(config: dict[str, Any], weights: Mapping[str, mx.array]) -> dict[str, Any]:
     """A multimodal config whose checkpoint has no vision weights (a text-only
     conversion) builds the text model alone."""
-    if "vision_config" not in config or any(_is_vision(name) for name in weights):
+    if "vision_config" not in config or any(is_vision(name) for name in weights):
         return config
     log.info("the checkpoint has no vision weights: serving the text model only")
     return {k: v for k, v in config.items() if k != "vision_config"}
 
 
 def _load_folder(
-    folder: Path, dtype: str | None, keep_quantized: bool, shard: ShardHook | None = None
+    folder: Path, dtype: str | None, precision: Precision, shard: ShardHook | None = None
 ) -> LoadedModel:
     config = _read_config(folder)
     check_quant_method(config)
+    if precision.quantize is not None:
+        _check_float_folder(folder, config, precision.quantize)
     files = _safetensors_files(folder)
     fp8_format = fp8.fp8_spec(config)  # refuses what it cannot load before reading
     stored = fp8.stored_dtypes(files) if fp8_format is not None else {}
     weights = _read_weights(files)
     quant = quant_config(config)
-    dtype_name, mx_dtype = resolve_dtype(
-        dtype, scales_dtype(weights) if quant is not None and keep_quantized else None
-    )
+    keep = precision.keep_quantized and precision.quantize is None
+    # on accelerators a quantized folder computes in its scales' dtype; the CPU in float32
+    by_scales = quant is not None and keep and not precision.cpu
+    dtype_name, mx_dtype = resolve_dtype(dtype, scales_dtype(weights) if by_scales else None)
+    fmt = dtype_name
     if fp8_format is not None:
-        weights, quant = _decode_fp8(weights, stored, fp8_format, mx_dtype, keep_quantized)
+        weights, quant = _decode_fp8(weights, stored, fp8_format, mx_dtype, precision)
+        fmt = f"fp8-q8g{quant['group_size']}" if quant is not None else fmt
     model = build_model(_without_vision(config, weights))
-    quantized = False
-    if quant is not None and not keep_quantized:
+    modules: dict[str, dict[str, Any]] = {}
+    if quant is not None and not precision.keep_quantized:
         weights = dequantize_all(weights, quant, mx_dtype)
     elif quant is not None:
         # sanitize first: quantized module paths are the model's parameter names
         weights = model.sanitize(weights)
         modules = quantized_modules(weights, quant)
+        weights = _dequantize_experts(weights, modules, precision, mx_dtype)
         quantize_modules(model, modules)
-        weights = _cast_floats(weights, mx_dtype)
-        quantized = bool(modules)
+        weights = _cast_floats(weights, mx_dtype, keep_scales=precision.cpu)
+        fmt = fmt if fp8_format is not None else "mlx-native"
+    elif precision.quantize is not None:
+        weights = model.sanitize(weights)
+        modules = quantize_weights(model, weights, precision, mx_dtype)
+        quantize_modules(model, modules)
+        weights = _cast_floats(weights, mx_dtype, keep_scales=True)
+        fmt = precision.quantize.name
     else:
         weights = _cast_floats(weights, mx_dtype)
     finish_model(model, weights, shard)
@@ -218,8 +290,9 @@ def _load_folder(
         name=folder.name,
         source=folder,
         context_length=context_length(config),
-        quantized=quantized,
+        quantized=bool(modules),
         dtype=dtype_name,
+        weight_format=fmt if modules else dtype_name,
         generation_config=generation,
         vision=vision_spec(model, tokenizer.id_to_token, folder),
     )
@@ -230,15 +303,36 @@ def _decode_fp8(
     stored: Mapping[str, str],
     spec: fp8.Fp8Spec,
     dtype: mx.Dtype,
-    keep_quantized: bool,
+    precision: Precision,
 ) -> tuple[dict[str, mx.array], dict[str, Any] | None]:
-    """An FP8 checkpoint's weights in ``dtype`` (runtime/load/fp8.py); kept quantized, its fp8
-    matrices as MLX 8-bit triplets with their quantization config (then loaded as an
-    MLX-quantized folder's). The 8-bit grid is fit to the exact float32 products."""
-    if not keep_quantized:
+    """An FP8 checkpoint's weights in ``dtype`` (runtime/load/fp8.py); kept quantized (and
+    not re-quantized by `--quantize`), its fp8 matrices as MLX 8-bit triplets with their
+    quantization config (then loaded as an MLX-quantized folder's). The 8-bit grid is fit
+    to the exact float32 products."""
+    if not precision.keep_quantized or precision.quantize is not None:
         return fp8.dequantize(weights, stored, spec, dtype).weights, None
-    converted = fp8.requantize(fp8.dequantize(weights, stored, spec, mx.float32), dtype)
+    converted = fp8.requantize(
+        fp8.dequantize(weights, stored, spec, mx.float32),
+        precision.requantized_scales_dtype(dtype),
+        experts=precision.experts_quantized,
+    )
     return converted.weights, converted.quantization
+
+
+def _dequantize_experts(
+    weights: dict[str, mx.array],
+    modules: dict[str, dict[str, Any]],
+    precision: Precision,
+    dtype: mx.Dtype,
+) -> dict[str, mx.array]:
+    """Stacked experts (3-D) leave ``modules`` as floats when the policy says so."""
+    if precision.experts_quantized:
+        return weights
+    stacks = {m: spec for m, spec in modules.items() if weights[f"{m}.weight"].ndim == 3}
+    for module in stacks:
+        del modules[module]
+    log_dequantized_experts(len(stacks))
+    return dequantize_modules(weights, stacks, dtype) if stacks else weights
 
 
 def _read_generation_config(folder: Path) -> dict[str, Any]:

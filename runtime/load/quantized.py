@@ -109,6 +109,24 @@ def dequantize_all(
     return out
 
 
+def dequantize_modules(
+    weights: dict[str, mx.array], modules: Mapping[str, Mapping[str, Any]], dtype: mx.Dtype
+) -> dict[str, mx.array]:
+    """``weights`` with the triplets of ``modules`` (path -> bits, group_size, mode)
+    replaced by their float weights in ``dtype``."""
+    out = dict(weights)
+    for module, spec in modules.items():
+        out[f"{module}.weight"] = mx.dequantize(
+            out[f"{module}.weight"],
+            out.pop(f"{module}.scales"),
+            out.pop(f"{module}.biases", None),
+            group_size=int(spec["group_size"]),
+            bits=int(spec["bits"]),
+            mode=str(spec.get("mode", "affine")),
+        ).astype(dtype)
+    return out
+
+
 def quantized_modules(
     weights: Mapping[str, mx.array], quant: Mapping[str, Any]
 ) -> dict[str, dict[str, Any]]:

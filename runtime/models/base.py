@@ -11,8 +11,18 @@ from mlx.nn.layers.activations import gelu, silu
 from mlx.nn.layers.base import Module
 
 from runtime import kernels as cpu_kernels
-from runtime.cache import Cache, KVCache, Mask, RaggedCache, RotatingKVCache, window_mask
+from runtime.cache import (
+    BatchQuantizedCache,
+    Cache,
+    KVCache,
+    Mask,
+    QuantizedKVCache,
+    RaggedCache,
+    RotatingKVCache,
+    window_mask,
+)
 from runtime.models.linear import Embedding, Linear
+from runtime.models.quantized_attention import quantized_attention
 from runtime.models.rope import RoPE
 
 FULL_ATTENTION = "full_attention"
@@ -182,6 +192,35 @@ def attention(
     return _attend(q, k, v, scale, mask, softcap)
 
 
+def cache_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    cache: Cache,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> mx.array:
+    """`attention` of (B, Hq, L, D) queries (rotated) over what `cache` holds once it
+    has taken these (B, Hkv, L, D) keys and values: a quantized cache's groups are read
+    where they are (runtime/models/quantized_attention.py)."""
+    mask = cache.make_mask(q.shape[2], window)
+    if isinstance(cache, (QuantizedKVCache, BatchQuantizedCache)):
+        # a batch's mask, without a window, is its rows' padding and causality
+        padding = None
+        if isinstance(cache, BatchQuantizedCache) and window is None:
+            padding = cache.padding
+        keys, values = cache.update_quantized(k, v)
+        if softcap is None:
+            return quantized_attention(q, keys, values, scale=scale, mask=mask, padding=padding)
+        # soft-capped scores: MLX ops
+        k, v = keys.dequantize(k.shape[-1]), values.dequantize(v.shape[-1])
+    else:
+        k, v = cache.update_and_fetch(k, v)
+    return attention(q, k, v, scale=scale, mask=mask, softcap=softcap)
+
+
 def _is_query_key_mask(mask: Mask, length: int, keys: int) -> bool:
     return isinstance(mask, mx.array) and mask.shape[-2:] == (length, keys)
 
@@ -256,23 +295,24 @@ class Attention(Module):
         q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         offset = cache.offset
         q, k = self.rope(q, offset), self.rope(k, offset)
-        mask = cache.make_mask(length, self.window)
-        k, v = cache.update_and_fetch(k, v)
-        out = attention(q, k, v, scale=self.scale, mask=mask, softcap=self.softcap)
+        out = cache_attention(
+            q, k, v, cache, scale=self.scale, window=self.window, softcap=self.softcap
+        )
         return out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
 
 
 def fusable(model: Any) -> bool:
     """Whether a decode step and a prefill chunk can run as one forward (RaggedCache):
     every layer attends through `Attention` over a token cache (KV or sliding window).
-    Recurrent and latent layers, which keep other state, run their steps apart."""
+    (plain or quantized KV, or sliding window). Recurrent and latent layers, which keep
+    other state, run their steps apart."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers:
         return False
     caches = model.make_caches()
     return all(
         isinstance(getattr(layer, "self_attn", None), Attention) for layer in layers
-    ) and all(type(c) in (KVCache, RotatingKVCache) for c in caches)
+    ) and all(type(c) in (KVCache, QuantizedKVCache, RotatingKVCache) for c in caches)
 
 
 def make_layer_caches(layer_types: Sequence[str], sliding_window: int | None) -> list[Cache]:

@@ -87,8 +87,26 @@ class Embedding(_MLXEmbedding):
 
 
 class QuantizedEmbedding(_MLXQuantizedEmbedding):
-    """Looking up rows dequantizes only those rows (MLX's op); a tied output head
-    multiplies through `qmatmul`."""
+    """Looking up rows dequantizes only those rows; a tied output head multiplies
+    through `qmatmul`."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        # MLX dequantizes in the scales' dtype: on the CPU (float32 compute, float16
+        # scales where exact) the rows are dequantized in float32, as `qmatmul` does
+        if self.mode != "affine" or "biases" not in self:
+            out: mx.array = super().__call__(x)
+            return out
+        scales, biases = self["scales"][x], self["biases"][x]
+        cpu = mx.default_device() == mx.cpu
+        out = mx.dequantize(
+            self["weight"][x],
+            scales=scales.astype(mx.float32),
+            biases=biases.astype(mx.float32),
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
+        return out if cpu else out.astype(scales.dtype)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return cpu_kernels.qmatmul(

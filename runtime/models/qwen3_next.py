@@ -33,7 +33,7 @@ from runtime.models.base import (
     MLP,
     CausalLM,
     RMSNorm,
-    attention,
+    cache_attention,
     config_float,
     config_int,
 )
@@ -192,9 +192,7 @@ class GatedAttention(Module):
         else:  # multimodal RoPE: image tokens on their grid, text after images shifted
             q = positions.apply(self.rope, q, cache.offset)
             k = positions.apply(self.rope, k, cache.offset)
-        mask = cache.make_mask(length)
-        k, v = cache.update_and_fetch(k, v)
-        out = attention(q, k, v, scale=hd**-0.5, mask=mask).transpose(0, 2, 1, 3)
+        out = cache_attention(q, k, v, cache, scale=hd**-0.5).transpose(0, 2, 1, 3)
         out = out * mx.sigmoid(gate)
         return self.o_proj(out.reshape(batch, length, self.n_heads * hd))
 

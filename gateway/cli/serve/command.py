@@ -25,7 +25,11 @@ def serve(args: argparse.Namespace) -> int:
         raise CliError("--engine-stall-seconds must be above 0 (default 300)")
     stall = args.engine_stall_seconds
     settings = dataclasses.replace(
-        engine_settings(args), stall_seconds=stall, allow_private_urls=args.allow_private_urls
+        engine_settings(args),
+        stall_seconds=stall,
+        allow_private_urls=args.allow_private_urls,
+        quantize=args.quantize,
+        quantize_group=args.quantize_group,
     )
     if args.distributed:  # one model over the ranks mlx.launch started
         # imported on use: a plain serve never loads runtime.distributed

@@ -45,11 +45,12 @@ from gateway.core.models import (
     ServedModel,
     build_served,
     default_memory_budget,
+    weight_quantization,
 )
 from gateway.core.settings import EngineSettings, ServerSettings
 from gateway.server import StartupFailed, run_server
 from runtime.distributed import Channel, Group, LockstepRunner, follow, load_sharded
-from runtime.load import LoadedModel
+from runtime.load import LoadedModel, QuantizeSpec
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,11 @@ def serve_distributed(
         os.getpid(),
     )
     path, default_id = resolve(cfg.source)
-    loaded = _load(path, group, args.distributed, cfg)
+    quantize = settings.quantize if cfg.quantize == "default" else cfg.quantize
+    own = dataclasses.replace(
+        settings, quantize=quantize, quantize_group=cfg.quantize_group or settings.quantize_group
+    )
+    loaded = _load(path, group, args.distributed, cfg, weight_quantization(own))
     channel = Channel(group.handle)
     if group.rank == 0:
         code = _lead(args, settings, server, cfg, path, cfg.id or default_id, loaded, channel)
@@ -122,9 +127,11 @@ def _tag_logs(rank: int) -> None:
         handler.setFormatter(logging.Formatter(fmt))
 
 
-def _load(path: Path, group: Group, mode: str, cfg: ModelConfig) -> LoadedModel:
+def _load(
+    path: Path, group: Group, mode: str, cfg: ModelConfig, quantize: QuantizeSpec | None
+) -> LoadedModel:
     try:
-        loaded = load_sharded(path, group, mode)  # type: ignore[arg-type]
+        loaded = load_sharded(path, group, mode, quantize=quantize)  # type: ignore[arg-type]
     except ValueError as exc:  # cannot be split so (the message says which sizes work)
         raise CliError(str(exc), FAILED) from None
     if cfg.context_length is not None:
@@ -158,6 +165,7 @@ def _lead(
         template_family=cfg.template_family or settings.template_family,
         parser=cfg.parser or settings.parser,
         memory_budget=args.memory_budget or default_memory_budget(),
+        kv_bits=settings.kv_bits if cfg.kv_bits == "default" else cfg.kv_bits,
     )
     served = build_served(
         path, model_id=model_id, aliases=cfg.aliases, settings=own, loaded=loaded,

@@ -10,6 +10,9 @@ A config file lists `[[models]]` tables:
     template_family = "qwen2.5"        # a built-in renderer instead of its own template
     parser = "hermes"                  # an output parser instead of the detected one
     context_length = 16384             # tokens (default: the model's own)
+    kv_bits = 8                        # KV cache in 8 or 4 bits, or "none" (default: --kv-bits)
+    quantize = "q4"                    # a float model quantized at load: q4, q8 or "none"
+    quantize_group = 64                # 32, 64 or 128 (default: --quantize, --quantize-group)
     sampling = { temperature = 0.2 }   # defaults for fields a request leaves out
 
 The first model is the default (for requests that name none). A relative path is read
@@ -19,6 +22,7 @@ model and the key.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import math
@@ -26,11 +30,11 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import parsers
 import templates
-from gateway.cli.common import resolve
+from gateway.cli.common import parse_kv_bits, parse_quantize, resolve
 from gateway.cli.errors import CliError
 from gateway.core.models import (
     SAMPLING_FIELDS,
@@ -38,10 +42,12 @@ from gateway.core.models import (
     ServedModel,
     build_served,
     cache_budget,
+    quantized_estimate,
     weight_file_bytes,
+    weight_quantization,
 )
-from gateway.core.settings import EngineSettings
-from runtime.load import load
+from gateway.core.settings import QUANTIZE_GROUPS, EngineSettings
+from runtime.load import check_quantize, load
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -50,7 +56,10 @@ else:  # pragma: no cover - Python 3.10
 
 log = logging.getLogger(__name__)
 
-_KEYS = ("source", "id", "aliases", "template_family", "parser", "context_length", "sampling")
+_KEYS = (
+    "source", "id", "aliases", "template_family", "parser", "context_length", "sampling",
+    "kv_bits", "quantize", "quantize_group",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,9 @@ class ModelConfig:
     parser: str | None = None
     context_length: int | None = None
     sampling: Mapping[str, float] = field(default_factory=dict)
+    kv_bits: int | Literal["default"] | None = "default"  # "default": as --kv-bits says
+    quantize: str | Literal["default"] | None = "default"  # "default": as --quantize says
+    quantize_group: int | None = None  # None: as --quantize-group says
 
 
 def from_flags(
@@ -130,7 +142,44 @@ def _model(path: Path, index: int, table: Any) -> ModelConfig:
         parser=_text(table, "parser", where),
         context_length=context,
         sampling=_sampling(table.get("sampling", {}), where),
+        kv_bits=_kv_bits(table, where),
+        quantize=_quantize(table, where),
+        quantize_group=_quantize_group(table, where),
     )
+
+
+def _quantize(table: Mapping[str, Any], where: str) -> str | Literal["default"] | None:
+    if "quantize" not in table:
+        return "default"
+    value = table["quantize"]
+    try:
+        if not isinstance(value, str):
+            raise argparse.ArgumentTypeError(f"not a weight quantization: {value!r}")
+        return parse_quantize(value)
+    except argparse.ArgumentTypeError:
+        raise CliError(f'{where}.quantize must be "q4", "q8" or "none", not {value!r}') from None
+
+
+def _quantize_group(table: Mapping[str, Any], where: str) -> int | None:
+    value = table.get("quantize_group")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value not in QUANTIZE_GROUPS:
+        groups = ", ".join(map(str, QUANTIZE_GROUPS))
+        raise CliError(f"{where}.quantize_group must be one of {groups}, not {value!r}")
+    return value
+
+
+def _kv_bits(table: Mapping[str, Any], where: str) -> int | Literal["default"] | None:
+    if "kv_bits" not in table:
+        return "default"
+    value = table["kv_bits"]
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise argparse.ArgumentTypeError(f"not a KV cache width: {value!r}")
+        return parse_kv_bits(str(value))
+    except argparse.ArgumentTypeError:
+        raise CliError(f'{where}.kv_bits must be 8, 4 or "none", not {value!r}') from None
 
 
 def _text(table: Mapping[str, Any], key: str, where: str) -> str | None:
@@ -185,7 +234,9 @@ def model_specs(
     for cfg in configs:
         path, default_id = resolve(cfg.source)
         model_id = cfg.id or default_id
-        weights = weight_file_bytes(path)
+        quantize = settings.quantize if cfg.quantize == "default" else cfg.quantize
+        group = cfg.quantize_group or settings.quantize_group
+        weights = quantized_estimate(weight_file_bytes(path), quantize, group)
         cache = cache_budget(budget, weights, len(configs))
         own = dataclasses.replace(
             settings,
@@ -193,7 +244,11 @@ def model_specs(
             parser=cfg.parser or settings.parser,
             memory_budget=budget,
             cache_memory_bytes=cache,
+            kv_bits=settings.kv_bits if cfg.kv_bits == "default" else cfg.kv_bits,
+            quantize=quantize,
+            quantize_group=group,
         )
+        _check_quantize(path, own)
         specs.append(
             ModelSpec(
                 id=model_id,
@@ -207,11 +262,22 @@ def model_specs(
     return specs
 
 
+def _check_quantize(path: Path, settings: EngineSettings) -> None:
+    """--quantize (or a config's quantize) on an already quantized model fails at startup."""
+    spec = weight_quantization(settings)
+    if spec is None:
+        return
+    try:
+        check_quantize(path, spec)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
 def _builder(
     path: Path, model_id: str, cfg: ModelConfig, settings: EngineSettings
 ) -> Callable[[], ServedModel]:
     def build() -> ServedModel:
-        loaded = load(path)
+        loaded = load(path, quantize=weight_quantization(settings))
         if cfg.context_length is not None:
             if cfg.context_length > loaded.context_length:
                 log.warning(

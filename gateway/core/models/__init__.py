@@ -8,8 +8,14 @@ from gateway.core.models.build import (
     build_served,
     model_folder,
     sampling_defaults,
+    weight_quantization,
 )
-from gateway.core.models.memory import cache_budget, default_memory_budget, weight_file_bytes
+from gateway.core.models.memory import (
+    cache_budget,
+    default_memory_budget,
+    quantized_estimate,
+    weight_file_bytes,
+)
 from gateway.core.models.registry import ModelRegistry
 from gateway.core.models.served import ServedModel
 from gateway.core.models.slots import Lease
@@ -29,6 +35,8 @@ __all__ = [
     "cache_budget",
     "default_memory_budget",
     "model_folder",
+    "quantized_estimate",
     "sampling_defaults",
     "weight_file_bytes",
+    "weight_quantization",
 ]

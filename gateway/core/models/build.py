@@ -16,7 +16,7 @@ from gateway.core.models.memory import MIN_CACHE_BYTES, parameter_bytes
 from gateway.core.models.served import ServedModel
 from gateway.core.settings import EngineSettings
 from runtime.engine import Engine, ModelRunner, RunnerSettings
-from runtime.load import LoadedModel, load
+from runtime.load import LoadedModel, QuantizeSpec, load
 from templates import MissingTemplateRenderer, builtin_family_for, renderer_for
 
 if TYPE_CHECKING:
@@ -38,12 +38,16 @@ def build_served(
     `make_runner(loaded, runner_settings)` builds the engine's runner in place of a
     ModelRunner (a distributed group's rank 0 leads its followers with its own)."""
     settings = settings or EngineSettings()
-    model = loaded if isinstance(loaded, LoadedModel) else load(path)
+    if isinstance(loaded, LoadedModel):
+        model = loaded
+    else:
+        model = load(path, quantize=weight_quantization(settings))
     renderer, caps = _renderer_and_caps(model, settings, model_id)
     base = RunnerSettings(
         prefill_chunk=settings.prefill_chunk,
         snapshot_interval=settings.snapshot_interval,
         max_batch=settings.max_batch,
+        kv_bits=settings.kv_bits,
     )
     runner_settings = _runner_settings(base, model, settings, model_id)
     runner = (make_runner or ModelRunner)(model, runner_settings)
@@ -63,6 +67,13 @@ def build_served(
         sampling_defaults=defaults,
         image_policy=ImagePolicy(allow_private=settings.allow_private_urls),
     )
+
+
+def weight_quantization(settings: EngineSettings) -> QuantizeSpec | None:
+    """The runtime's `--quantize` recipe for the settings' quantize and quantize_group."""
+    if settings.quantize is None:
+        return None
+    return QuantizeSpec.parse(settings.quantize, settings.quantize_group)
 
 
 def _renderer_and_caps(

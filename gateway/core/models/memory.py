@@ -49,8 +49,9 @@ def cache_budget(budget: int, weights: int, models: int) -> int:
 
 
 def weight_file_bytes(path: Path) -> int:
-    """The size of a model's weight files: the estimate of its memory before it loads
-    (a quantized file dequantized on a CPU takes more; the measured size replaces it)."""
+    """The size of a model's weight files: the estimate of its memory before it loads (a
+    quantized file dequantized on a CPU without our kernels takes more, a GGUF's 5-bit
+    tensors stored as 8-bit on the CPU too; the measured size replaces it)."""
     if path.is_file():
         return path.stat().st_size
     if not path.is_dir():
@@ -58,6 +59,17 @@ def weight_file_bytes(path: Path) -> int:
     weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".gguf", ".npz")]
     files = weights or [p for p in path.iterdir() if p.is_file()]
     return sum(p.stat().st_size for p in files if p.is_file())
+
+
+def quantized_estimate(file_bytes: int, quantize: str | None, group_size: int) -> int:
+    """The estimate of a model's weights under `--quantize` ("q4"/"q8"; None: the files'
+    size): its files read as a 16-bit model's (bf16/f16, the usual source), each weight at
+    the quantized width plus a float16 scale and bias per group. The measured size
+    replaces it at the first load; until then it is what admission counts."""
+    if quantize is None:
+        return file_bytes
+    bits = int(quantize.removeprefix("q")) + 32 / group_size
+    return int(file_bytes * bits / 16)
 
 
 def parameter_bytes(model: Any) -> int | None:

@@ -4,13 +4,17 @@ chooses the names and transforms, and runs this over every tensor)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
+from runtime.load.affine import affine_quantize, float16_exact
 from runtime.load.gguf.moe_names import FLOAT32_SUFFIX, GATE_UP, GATE_UP_PARTS
 from runtime.load.gguf.quants import (
+    FLOAT16_SCALES,
     GROUP,
     Affine,
     dequantize,
@@ -19,6 +23,7 @@ from runtime.load.gguf.quants import (
     to_affine,
 )
 from runtime.load.gguf.reader import GGUFFile, TensorInfo
+from runtime.load.precision import Precision
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,17 @@ class ConvertedWeights:
     weights: dict[str, mx.array] = field(default_factory=dict)
     quantization: dict[str, dict[str, int]] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    dequantized_experts: int = 0  # quantized expert stacks loaded as floats (CPU policy)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to convert: the compute dtype, the precision policy, and the modules
+    `--quantize` quantizes (module path -> bits; empty without it)."""
+
+    dtype: mx.Dtype
+    precision: Precision
+    targets: Mapping[str, int] = field(default_factory=dict)
 
 
 def float_tensor(gf: GGUFFile, info: TensorInfo, tf: Transform) -> np.ndarray:
@@ -48,6 +64,10 @@ def float_tensor(gf: GGUFFile, info: TensorInfo, tf: Transform) -> np.ndarray:
     return values
 
 
+def is_expert_stack(info: TensorInfo, name: str) -> bool:
+    return len(info.shape) == 3 and ".switch_mlp." in name
+
+
 def keep_quantized(info: TensorInfo, name: str) -> bool:
     """Weights of quantized types stay quantized where a quantized module can take them:
     2-D (Linear, Embedding) and stacked experts (SwitchLinear). Routers stay float (a
@@ -58,7 +78,7 @@ def keep_quantized(info: TensorInfo, name: str) -> bool:
         or name.endswith(".mlp.gate.weight")
     ):
         return False
-    return len(info.shape) == 2 or (len(info.shape) == 3 and ".switch_mlp." in name)
+    return len(info.shape) == 2 or is_expert_stack(info, name)
 
 
 @dataclass(frozen=True)
@@ -70,21 +90,43 @@ class Decoded:
     values: np.ndarray | None = None  # float32
     affine: Affine | None = None
     requantize_bits: int | None = None  # quantize ``values`` to this many bits
+    group_size: int = GROUP  # ... in groups of this many
+    float16_scales: bool = False  # ``affine``'s scales and biases are float16 values
+    dequantized_expert: bool = False  # a quantized expert stack loaded as floats
 
 
-def decode_tensor(
-    gf: GGUFFile, info: TensorInfo, name: str, tf: Transform, quantized: bool
-) -> Decoded:
-    """``info``'s values under HF ``name``, transformed; with ``quantized``, as an MLX
-    affine form where the weight can stay quantized (runs on worker threads)."""
-    if quantized and keep_quantized(info, name):
+def decode_tensor(gf: GGUFFile, info: TensorInfo, name: str, tf: Transform, plan: Plan) -> Decoded:
+    """``info``'s values under HF ``name``, transformed: as an MLX affine form where the
+    weight stays quantized, float32 values to re-quantize where it has no exact affine
+    form or `--quantize` takes it, else float32 values (runs on worker threads)."""
+    precision = plan.precision
+    if precision.keep_quantized and keep_quantized(info, name):
+        if is_expert_stack(info, name) and not precision.experts_quantized:
+            return Decoded(name, values=float_tensor(gf, info, tf), dequantized_expert=True)
         affine = to_affine(gf.raw(info.name), info.ggml_type)
         if affine is not None:
-            return Decoded(name, affine=affine if tf.rows is None else affine.take_rows(tf.rows))
+            exact = precision.cpu and info.ggml_type in FLOAT16_SCALES
+            exact = exact and float16_exact(affine.scales, affine.biases)
+            affine = affine if tf.rows is None else affine.take_rows(tf.rows)
+            return Decoded(name, affine=affine, float16_scales=exact)
         # No exact affine form (Q6_K, Q2_K, IQ*): dequantize, re-quantize finely.
-        bits = requantize_bits(info.ggml_type)
+        bits = 8 if precision.cpu else requantize_bits(info.ggml_type)
         return Decoded(name, values=float_tensor(gf, info, tf), requantize_bits=bits)
+    target = _target_bits(name, plan)
+    if target is not None and precision.quantize is not None:
+        values = float_tensor(gf, info, tf)
+        group = precision.quantize.group_size
+        return Decoded(name, values=values, requantize_bits=target, group_size=group)
     return Decoded(name, values=float_tensor(gf, info, tf))
+
+
+def _target_bits(name: str, plan: Plan) -> int | None:
+    """The bits `--quantize` gives the module of weight ``name`` (fused experts: their
+    halves'), or None when it stays float."""
+    stem = name.removesuffix(GATE_UP)
+    names = [stem + part for part in GATE_UP_PARTS] if stem != name else [name]
+    bits = {plan.targets.get(n.removesuffix(".weight")) for n in names if n.endswith(".weight")}
+    return bits.pop() if len(bits) == 1 else None
 
 
 def split_gate_up(item: Decoded) -> list[Decoded]:
@@ -100,43 +142,58 @@ def split_gate_up(item: Decoded) -> list[Decoded]:
         a = item.affine
         weights, scales, biases = (np.split(x, 2, axis=1) for x in (a.weight, a.scales, a.biases))
         return [
-            Decoded(name, affine=Affine(weights[i], scales[i], biases[i], a.bits, a.group_size))
+            dataclasses.replace(
+                item,
+                name=name,
+                affine=Affine(weights[i], scales[i], biases[i], a.bits, a.group_size),
+            )
             for i, name in enumerate(names)
         ]
     assert item.values is not None
     values = np.split(item.values, 2, axis=1)
     return [
-        Decoded(name, values=v, requantize_bits=item.requantize_bits)
+        dataclasses.replace(item, name=name, values=v)
         for name, v in zip(names, values, strict=True)
     ]
 
 
-def store(out: ConvertedWeights, item: Decoded, dtype: mx.Dtype) -> None:
-    """Add ``item`` to ``out`` as MLX arrays (on the caller's thread): floats in
-    ``dtype``, quantized weights as a triplet with their bits and group size; fused
+def store(out: ConvertedWeights, item: Decoded, plan: Plan) -> None:
+    """Add ``item`` to ``out`` as MLX arrays (on the caller's thread): floats in the
+    compute dtype, quantized weights as a triplet with their bits and group size; fused
     experts as their two halves."""
     for part in split_gate_up(item):
-        _store(out, part, dtype)
+        _store(out, part, plan)
 
 
-def _store(out: ConvertedWeights, item: Decoded, dtype: mx.Dtype) -> None:
+def _store(out: ConvertedWeights, item: Decoded, plan: Plan) -> None:
     module = item.name[: -len(".weight")]
+    precision, dtype = plan.precision, plan.dtype
     if item.affine is not None:
         a = item.affine
         weight, scales, biases = mx.array(a.weight), mx.array(a.scales), mx.array(a.biases)
         bits, group = a.bits, a.group_size
+        # the CPU: float16 where that is exact, else float32; elsewhere the compute dtype
+        # (quantized matmuls return the scales' dtype)
+        stored = precision.scales_dtype(dtype, item.float16_scales)
+        scales, biases = scales.astype(stored), biases.astype(stored)
     elif item.values is not None and item.requantize_bits is not None:
-        bits, group = item.requantize_bits, GROUP
-        weight, scales, biases = mx.quantize(mx.array(item.values), group_size=group, bits=bits)
+        bits, group = item.requantize_bits, item.group_size
+        weight, scales, biases = affine_quantize(
+            mx.array(item.values),
+            group_size=group,
+            bits=bits,
+            scales_dtype=precision.requantized_scales_dtype(dtype),
+        )
+        mx.eval(weight, scales, biases)  # lets go of the float32 values now
     elif item.values is not None:
         array = mx.array(item.values)
         keep = item.name.endswith(FLOAT32_SUFFIX) or array.dtype == dtype
         out.weights[item.name] = array if keep else array.astype(dtype)
+        out.dequantized_experts += item.dequantized_expert
         return
     else:
         raise AssertionError(f"nothing decoded for {item.name}")
     out.weights[item.name] = weight
-    # scales/biases in the compute dtype: quantized matmuls return the scales' dtype
-    out.weights[f"{module}.scales"] = scales.astype(dtype)
-    out.weights[f"{module}.biases"] = biases.astype(dtype)
+    out.weights[f"{module}.scales"] = scales
+    out.weights[f"{module}.biases"] = biases
     out.quantization[module] = {"bits": bits, "group_size": group}

@@ -24,10 +24,16 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 
-from runtime.load.gguf.decode import ConvertedWeights, Decoded, Transform, decode_tensor, store
+from runtime.load.gguf.decode import (
+    ConvertedWeights,
+    Decoded,
+    Plan,
+    Transform,
+    decode_tensor,
+    store,
+)
 from runtime.load.gguf.moe_names import (
     MOE_BLOCK_NAMES,
     MOE_FULL_NAMES,
@@ -154,14 +160,13 @@ def _jobs(gf: GGUFFile, num_layers: int, skipped: list[str]) -> list[tuple[Tenso
 def convert_weights(
     gf: GGUFFile,
     config: Mapping[str, Any],
+    plan: Plan,
     *,
-    dtype: mx.Dtype,
-    keep_quantized: bool,
     workers: int | None = None,
 ) -> ConvertedWeights:
-    """Every tensor of ``gf`` under its HF name: float ``dtype`` arrays, or (with
-    ``keep_quantized``) MLX affine triplets for the quantized 2-D weights and expert
-    stacks.
+    """Every tensor of ``gf`` under its HF name: float arrays in the plan's dtype, or MLX
+    affine triplets for the quantized 2-D weights and expert stacks the plan keeps
+    quantized and the float weights it quantizes (runtime/load/gguf/decode.py).
 
     Tensors are decoded on a few threads (numpy releases the GIL; about 1.4x faster on
     2 cores); MLX arrays are made on the calling thread.
@@ -176,9 +181,9 @@ def convert_weights(
         pending: deque[Future[Decoded]] = deque()
         for info, name in jobs:
             tf = _transform(info.name, gf.architecture, config, info.shape[0])
-            pending.append(pool.submit(decode_tensor, gf, info, name, tf, keep_quantized))
+            pending.append(pool.submit(decode_tensor, gf, info, name, tf, plan))
             if len(pending) > count:
-                store(out, pending.popleft().result(), dtype)
+                store(out, pending.popleft().result(), plan)
         while pending:
-            store(out, pending.popleft().result(), dtype)
+            store(out, pending.popleft().result(), plan)
     return out

@@ -17,13 +17,46 @@ Q4_K       4      (d * sc_j) * q - dmin * m_j     (8 sub-blocks of 32)
 Q5_K       5      (d * sc_j) * q - dmin * m_j
 =========  =====  ============================================================
 
+Scales and biases: the legacy types' (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are float16 values
+times a power of two, so float16 holds them exactly (``FLOAT16_SCALES``; checked per tensor
+all the same). The K-quants' products d * sc_j and dmin * m_j need up to 17 significant
+bits: in the real Q4_K tensors here only 0.7-0.9% of the groups have both in float16, and
+rounding them there moves Gemma-3-270M's logits by up to 0.086 (Qwen2.5-Coder-0.5B: 0.023,
+one greedy token of 300 changed). So on the CPU (runtime/load/precision.py) Q4_K/Q5_K keep
+float32 scales/biases and the legacy types float16. Bytes per weight on the CPU:
+
+==========  ============  ==========================================
+ggml type   in the file   on the CPU (weights + scales + biases)
+==========  ============  ==========================================
+Q4_0        0.5625        0.625  (4-bit, float16 scales and biases)
+Q4_1        0.625         0.625  (4-bit, float16 scales)
+Q5_0        0.6875        0.75   (5-bit, float16 scales and biases)
+Q5_1        0.75          0.75   (5-bit, float16 scales)
+Q8_0        1.0625        1.125
+Q4_K        0.5625        0.75   (4-bit, float32 scales)
+Q5_K        0.6875        0.875  (5-bit, float32 scales)
+==========  ============  ==========================================
+
 Anything else (Q6_K has 16-value sub-blocks, which MLX's smallest group of 32 cannot
 express; Q2_K/Q3_K/IQ*/TQ*/MXFP4 use grids or signed sub-scales) is dequantized with the
 ``gguf`` package's reference numpy code and, when the caller keeps weights quantized,
-re-quantized by ``requantize_bits`` (see there).
+re-quantized (runtime/load/affine.py's min-max grid, groups of 32): to 8 bits with float16
+scales on the CPU (1.125 bytes per weight), to ``requantize_bits`` elsewhere. Measured
+against the exact dequantized values (max |error| / the row's max |value|, and RMS error
+/ RMS value):
 
-MLX packs b-bit values as a little-endian bit stream in uint32 words (checked for
-b in 2..8), so packing is ``np.packbits(..., bitorder="little")``.
+======================================  =====================  =======  =======
+source                                  re-quantized to        max      RMS
+======================================  =====================  =======  =======
+Q6_K, Gemma-3-270M (9 tensors)          8 bits, float16        4.46e-3  4.81e-3
+Q6_K, Qwen2.5-Coder-0.5B (12 tensors)   8 bits, float16        4.29e-3  4.76e-3
+Q2_K, random blocks (no file here)      8 bits, float16        2.99e-3  2.42e-3
+Q3_K, random blocks (no file here)      8 bits, float16        4.10e-3  3.99e-3
+Q2_K, random blocks                     6 bits, mx.quantize    1.51e-2  1.15e-2
+Q3_K, random blocks                     6 bits, mx.quantize    3.12e-2  1.29e-2
+======================================  =====================  =======  =======
+
+The 6-bit rows are the accelerators' choice (``requantize_bits``). For scale: 4 bits would give 6.7e-2 max and 8.1e-2 RMS on the same Q6_K tensors.
 """
 
 from __future__ import annotations
@@ -37,6 +70,8 @@ from gguf.quants import dequantize as _gguf_dequantize
 
 GROUP = 32
 _CHUNK_BYTES = 1 << 16
+# types whose scales and biases are float16 values (see the module docstring)
+FLOAT16_SCALES = frozenset({int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q8_0)})
 
 
 @dataclass(frozen=True)
@@ -204,10 +239,10 @@ def to_affine(raw: np.ndarray, ggml_type: int) -> Affine | None:
     weights, scales, biases, bits = [], [], [], 0
     for i in range(0, rows.shape[0], step):
         u = decode(rows[i : i + step].reshape(-1, type_size))
-        weights.append(_pack(u.q, u.bits))
+        bits = u.bits
+        weights.append(_pack(u.q, bits))
         scales.append(u.scales.reshape(-1))
         biases.append(u.biases.reshape(-1))
-        bits = u.bits
     lead = raw.shape[:-1]
     return Affine(
         np.concatenate(weights).reshape(*lead, -1),
@@ -241,7 +276,8 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
 
 
 def requantize_bits(ggml_type: int) -> int:
-    """Bits for re-quantizing a type that has no exact affine form.
+    """Bits for re-quantizing a type that has no exact affine form on an accelerator (the
+    CPU takes 8 bits for all: runtime/load/precision.py).
 
     Q6_K/Q8_K and other >= 6-bit formats go to 8 bits (the extra re-quantization error is
     a fraction of the source's own step); the low-bit grids (Q2_K, Q3_K, IQ*, TQ*, MXFP4)

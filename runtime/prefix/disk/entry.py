@@ -11,7 +11,8 @@ import mlx.core as mx
 from runtime.cache import Snapshot, codec
 from runtime.prefix.disk.files import Header, LayerMeta
 
-SPLITTABLE = (codec.KV, codec.ROTATING)  # kinds whose snapshot can be cut short of its end
+# kinds whose snapshot can be cut short of its end
+SPLITTABLE = (codec.KV, codec.ROTATING, codec.KV_QUANTIZED)
 
 
 @dataclass(eq=False)

@@ -217,7 +217,9 @@ def size_bound(tokens: np.ndarray, runs: list[list[Any]], layers: Mapping[int, L
     return data + len(json.dumps(runs)) + len(described) + 256 * tensors + 1024
 
 
-_ITEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "uint16": 2, "int8": 1}
+_ITEM_BYTES = {
+    "bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "uint32": 4, "uint16": 2, "int8": 1,
+}  # fmt: skip
 
 
 def _crc(array: np.ndarray) -> int:

@@ -17,6 +17,7 @@ from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize as reference_dequantize
 from mlx.utils import tree_flatten
 
+from runtime.kernels import quantized_ready
 from runtime.load.gguf.names import hf_name, unpermute_rows
 from runtime.load.gguf.quants import dequantize, to_affine
 from runtime.load.loader import load
@@ -178,7 +179,7 @@ def _quantize_folder(src: Path, dst: Path) -> dict[str, mx.array]:
 def test_mlx_quantized_folder(tiny_llama_folder: tuple[Path, Any], tmp_path: Path) -> None:
     folder, _ = tiny_llama_folder
     expected = _quantize_folder(folder, tmp_path / "q")
-    loaded = load(tmp_path / "q")  # CPU: dequantized to float32
+    loaded = load(tmp_path / "q", keep_quantized=False)  # dequantized to float32
     assert loaded.quantized is False
     params = dict(tree_flatten(loaded.model.parameters()))
     for name in ("model.layers.1.mlp.down_proj.weight", "lm_head.weight"):
@@ -186,6 +187,7 @@ def test_mlx_quantized_folder(tiny_llama_folder: tuple[Path, Any], tmp_path: Pat
         assert np.array_equal(np.array(params[name]), np.array(expected[name]))
     kept = load(tmp_path / "q", keep_quantized=True)
     assert kept.quantized is True and kept.dtype == "float32"  # the scales' dtype
+    assert load(tmp_path / "q").quantized is quantized_ready()  # the default policy
     kept_params = dict(tree_flatten(kept.model.parameters()))
     assert kept_params["lm_head.weight"].dtype == mx.uint32
     np.testing.assert_allclose(
@@ -286,7 +288,7 @@ def test_mlx_quantized_folder_with_quantization_config_loads(
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     quant = dict(config["quantization"], **({"quant_method": method} if method else {}))
     q = _with_config(tmp_path / "q", tmp_path / "q2", quantization_config=quant)
-    params = dict(tree_flatten(load(q).model.parameters()))
+    params = dict(tree_flatten(load(q, keep_quantized=False).model.parameters()))
     assert np.array_equal(np.array(params["lm_head.weight"]), np.array(expected["lm_head.weight"]))
     assert load(q, keep_quantized=True).quantized is True
 

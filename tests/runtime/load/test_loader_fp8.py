@@ -77,7 +77,7 @@ def _params(loaded: Any) -> dict[str, mx.array]:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fp8_checkpoint_matches_transformers(written: TinyModels, name: str) -> None:
     (original, _, want_model), directory = written[name]
-    loaded = load(directory / "fp8")
+    loaded = load(directory / "fp8", keep_quantized=False)
     assert (loaded.quantized, loaded.dtype) == (False, "float32")
     assert len(loaded.model.make_caches()) == want_model.config.num_hidden_layers  # no MTP
     want = torch_logits(want_model, TOKENS)
@@ -90,7 +90,7 @@ def test_weights_are_the_fp8_rounded_values(written: TinyModels) -> None:
     """Each fp8 weight is value x scale exactly (not the original it was rounded from);
     modules left unconverted are their bfloat16 originals."""
     (_, rounded, _), directory = written["llama"]
-    params = _params(load(directory / "fp8"))
+    params = _params(load(directory / "fp8", keep_quantized=False))
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.gate_proj.weight"):
         before, after = (t.numpy() for t in rounded[name])
         assert np.array_equal(np.array(params[name]), after), name
@@ -99,7 +99,7 @@ def test_weights_are_the_fp8_rounded_values(written: TinyModels) -> None:
     assert params["lm_head.weight"].dtype == mx.float32
 
     (_, rounded, _), directory = written["deepseek_v3"]
-    params = _params(load(directory / "fp8"))
+    params = _params(load(directory / "fp8", keep_quantized=False))
     stacked = np.array(params["model.layers.1.mlp.switch_mlp.gate_proj.weight"])
     before, after = (t.numpy() for t in rounded["model.layers.1.mlp.experts.5.gate_proj.weight"])
     assert np.array_equal(stacked[5], after)
@@ -108,7 +108,7 @@ def test_weights_are_the_fp8_rounded_values(written: TinyModels) -> None:
 
 def test_bfloat16_weights_are_the_products_rounded_once(written: TinyModels) -> None:
     (_, rounded, _), directory = written["llama"]
-    params = _params(load(directory / "fp8", dtype="bfloat16"))
+    params = _params(load(directory / "fp8", dtype="bfloat16", keep_quantized=False))
     name = "model.layers.0.mlp.up_proj.weight"
     assert params[name].dtype == mx.bfloat16
     want = mx.array(rounded[name][1].numpy()).astype(mx.bfloat16)

@@ -15,6 +15,7 @@ from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize as reference_dequantize
 from mlx.utils import tree_flatten
 
+from runtime.backend import on_cpu
 from runtime.load.gguf.names import unpermute_rows
 from runtime.load.gguf.reader import GGUFFile
 from runtime.load.loaded import LoadedModel
@@ -191,7 +192,7 @@ def test_quantized_gguf_dequantizes_on_cpu_and_stays_quantized_on_request(
     model = _tiny_llama(llama3_rope=False)
     path = tmp_path / "tiny-q.gguf"
     write_gguf(path, "llama", model, _llama_meta(model.config), quant=quant)
-    floats = load(path)
+    floats = load(path, keep_quantized=False)
     assert floats.quantized is False
     # the dequantized q_proj equals the reference decoder's, un-permuted
     raw = GGUFFile(path).raw("blk.0.attn_q.weight")
@@ -205,8 +206,9 @@ def test_quantized_gguf_dequantizes_on_cpu_and_stays_quantized_on_request(
     np.testing.assert_allclose(
         our_logits(kept, TOKENS), our_logits(floats, TOKENS), atol=1e-3, rtol=1e-3
     )
-    # without a dtype, a quantized GGUF computes in float16 (its scales' precision)
-    assert load(path, keep_quantized=True).dtype == "float16"
+    # without a dtype, a quantized GGUF computes in float16 on an accelerator (its scales'
+    # precision), in float32 on the CPU
+    assert load(path, keep_quantized=True).dtype == ("float32" if on_cpu() else "float16")
 
 
 # -- the real GGUF files --------------------------------------------------------------------
@@ -290,7 +292,7 @@ _REAL_TENSORS: dict[str, tuple[str, ...]] = {
 def real_gguf(request: pytest.FixtureRequest) -> tuple[str, Path, LoadedModel]:
     """Each real GGUF loaded once (one at a time: they are large in float32)."""
     path = request.getfixturevalue(request.param)
-    return request.param, path, load(path)
+    return request.param, path, load(path, keep_quantized=False)
 
 
 @pytest.mark.real_model

@@ -25,6 +25,8 @@ from gguf.constants import GGMLQuantizationType as QT
 from mlx.nn.layers.quantized import QuantizedLinear
 from mlx.utils import tree_flatten
 
+from runtime.backend import on_cpu
+from runtime.kernels import quantized_ready
 from runtime.load.gguf.reader import GGUFFile
 from runtime.load.loaded import LoadedModel
 from runtime.load.loader import load
@@ -206,7 +208,7 @@ def test_quantized_moe_gguf(tmp_path: Path, name: str, quant: QT) -> None:
     model = build(case, tmp_path, quant=quant)
     path = tmp_path / "model.gguf"
     write_moe_gguf(path, case, model, tmp_path, quant=quant)
-    floats = load(path)
+    floats = load(path, keep_quantized=False)
     assert floats.quantized is False
     _assert_logits(floats, model)
     kept = load(path, keep_quantized=True, dtype="float32")
@@ -228,6 +230,14 @@ def test_quantized_moe_gguf(tmp_path: Path, name: str, quant: QT) -> None:
         attention = kept.model.model.layers[1].self_attn  # type: ignore[attr-defined]
         assert isinstance(attention.kv_b_proj, QuantizedLinear)
     _assert_logits(kept, model)
+    if on_cpu() and quantized_ready():
+        # the CPU's default: experts as floats (MLX's CPU gather_qmm is a scalar loop),
+        # the rest quantized
+        default = load(path)
+        mlp = default.model.model.layers[1].mlp  # type: ignore[attr-defined]
+        assert isinstance(mlp.switch_mlp.down_proj, SwitchLinear)
+        assert default.quantized is True and default.weight_format == "gguf-native"
+        _assert_logits(default, model)
 
 
 def test_fused_gate_up_is_one_tensor_in_the_file(written: TinyModels) -> None:

@@ -1,4 +1,5 @@
-"""Real weights: greedy decoding matches transformers on the same dequantized GGUF weights.
+"""Real weights: greedy decoding matches transformers on the same dequantized GGUF weights
+(the float path; the CPU serves GGUFs quantized, tracked by test_quantized_path below).
 
 transformers dequantizes the GGUF with its own loader (an independent path from
 runtime/load/gguf/reader.py), runs float32 on the CPU, and the first 32 greedy tokens must be
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 from runtime.batch.generate import generate_tokens
@@ -75,7 +78,7 @@ def _reference(gguf: Path, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.mark.parametrize("fixture", ["smollm2_gguf", "qwen25_gguf"])
 def test_greedy_tokens_match_transformers(fixture: str, request: pytest.FixtureRequest) -> None:
     gguf: Path = request.getfixturevalue(fixture)
-    loaded = load(gguf)
+    loaded = load(gguf, keep_quantized=False)
     prompts = [_prompt_ids(loaded, p) for p in PROMPTS]
     ours = [_ours(loaded, ids) for ids in prompts]
     ref = _reference(gguf, prompts)
@@ -85,3 +88,30 @@ def test_greedy_tokens_match_transformers(fixture: str, request: pytest.FixtureR
         )
     # and the output is the model talking sense, not a degenerate loop
     assert len(set(ours[0])) > 8
+
+
+@pytest.mark.served_rows  # the default int16 rows (conftest.py pins float32 elsewhere)
+@pytest.mark.parametrize("fixture", ["smollm2_gguf", "qwen25_gguf"])
+def test_quantized_path_tracks_the_float_path(fixture: str, request: pytest.FixtureRequest) -> None:
+    """What the CPU serves by default (weights quantized, decode rows rounded to int16 per
+    block of 32: runtime/kernels/qdot.c) against the float path on the float path's own
+    greedy tokens, teacher-forced through decode steps: the logits stay close and pick
+    the same token. (Against llama.cpp: bench/greedy_agreement.py.)"""
+    gguf: Path = request.getfixturevalue(fixture)
+    floats, served = load(gguf, keep_quantized=False), load(gguf)
+    assert served.quantized and served.weight_format == "gguf-native"
+    ids = _prompt_ids(floats, PROMPTS[0])
+    tokens = _ours(floats, ids)
+    want = _decode_logits(floats, ids, tokens)
+    got = _decode_logits(served, ids, tokens)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+    assert np.abs(got - want).max() <= 0.1 * want.std(axis=-1).min()
+
+
+def _decode_logits(loaded: LoadedModel, ids: list[int], tokens: list[int]) -> np.ndarray:
+    """The logits before each of `tokens`: the prompt's last, then one decode step each."""
+    model, caches = loaded.model, loaded.model.make_caches()
+    rows = [model.logits(model.forward(mx.array([ids]), caches))[0, -1]]
+    for token in tokens[:-1]:
+        rows.append(model.logits(model.forward(mx.array([[token]]), caches))[0, -1])
+    return np.array(mx.stack(rows).astype(mx.float32))

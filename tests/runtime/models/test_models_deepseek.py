@@ -417,7 +417,7 @@ def test_loader_keeps_an_mlx_quantized_folder_quantized(tiny: TinyModels, tmp_pa
     config["quantization"] = {"group_size": 32, "bits": 4}
     (folder / "config.json").write_text(json.dumps(config))
     _write_tokenizer(folder)
-    kept, floats = load(folder, keep_quantized=True), load(folder)
+    kept, floats = load(folder, keep_quantized=True), load(folder, keep_quantized=False)
     assert kept.quantized and not floats.quantized
     assert isinstance(kept.model, Model) and isinstance(floats.model, Model)
     attn = kept.model.model.layers[1].self_attn

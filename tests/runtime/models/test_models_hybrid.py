@@ -376,7 +376,7 @@ def test_quantized_converted_folder_keeps_its_overrides(tiny: TinyModels, tmp_pa
     their ``language_model.`` prefix, and the loader must still find them."""
     directory = tiny["qwen3_5_moe"][1]
     _quantized_converted_folder(directory, load_mlx(directory), tmp_path / "q")
-    dequantized = load(tmp_path / "q")
+    dequantized = load(tmp_path / "q", keep_quantized=False)
     kept = load(tmp_path / "q", keep_quantized=True)
     assert kept.quantized and not dequantized.quantized
     tokens = _tokens(24)

@@ -390,7 +390,7 @@ def test_mlx_quantized_moe_folder(tiny: TinyModels, tmp_path: Path) -> None:
     assert experts.down_proj.weight.shape == (16, 64, 32 * 4 // 32)
     params = dict(tree_flatten(kept.model.parameters()))
     assert params["model.layers.1.mlp.switch_mlp.gate_proj.scales"].shape == (16, MOE_HIDDEN, 2)
-    dequantized = load(tmp_path / "q")  # on the CPU: dequantized to float32 at load
+    dequantized = load(tmp_path / "q", keep_quantized=False)
     assert not dequantized.quantized
     tokens = mx.array(_tokens(24, seed=9))
     np.testing.assert_allclose(
