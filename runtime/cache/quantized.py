@@ -40,9 +40,10 @@ often the most likely next token is the float cache's, decode tokens/s after a p
     4, rotated     1, 1, 1, 0          0.8%    18.911 (+380%)    -        -           -
     4, groups 64   -                   -       9.6931 (+147%)    -        -           -
 
-So 8 bits change about one next-token choice in 55 and perplexity by a tenth of a
-percent, and decode long contexts faster on a CPU (the kernel reads a third of the
-bytes); 4 bits are lossy on this model. The default stays the float cache. A decode
+(Decode speeds from a machine busy with other work; a second, busier run gave 4.5 tok/s
+at 8k for the float cache, 5.1 for the 8-bit one.) So 8 bits change about one next-token
+choice in 55 and perplexity by a tenth of a percent, and decode long contexts faster on
+a CPU (the kernel reads a third of the bytes); 4 bits are lossy on this model. The default stays the float cache. A decode
 step over the 8-bit cache through MLX's ops instead of the kernel: 12.8 tok/s at 512,
 3.9 at 8k (runtime/models/quantized_attention.py).
 """

@@ -568,6 +568,11 @@ def save_every_architecture(root: Path, reference: Callable[[Any, Path], None]) 
     return root
 
 
+# Quantized layers multiply decode rows in float32 in the reference and in the ranks: the
+# default int16 rounding of those rows (runtime/kernels/qdot.c) moved a sharded 4-bit MoE's
+# logits by ~7e-4 from the single process's, to be explained; sharding is checked exactly
+_FLOAT_ROWS = ("MLX_GATEWAY_CPU_ACTIVATIONS", "float32")
+
 # widths for 4-bit groups of 32 that still hold whole groups per rank over 4 ranks
 # (o_proj's 128 inputs, down_proj's 256)
 _QUANTIZED = {
@@ -587,6 +592,18 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.support import tiny_models, tiny_moe
     from tests.support.distributed_worker import write_reference
 
+    with pytest.MonkeyPatch.context() as patch:  # float rows, as the ranks (_FLOAT_ROWS)
+        patch.setenv(*_FLOAT_ROWS)
+        return _save_cases(tmp_path_factory, load, tiny_models, tiny_moe, write_reference)
+
+
+def _save_cases(
+    tmp_path_factory: pytest.TempPathFactory,
+    load: Any,
+    tiny_models: Any,
+    tiny_moe: Any,
+    write_reference: Any,
+) -> Path:
     root = save_every_architecture(tmp_path_factory.mktemp("distributed"), write_reference)
     source = tmp_path_factory.mktemp("unquantized")
     tiny_models.save_tiny(
@@ -652,7 +669,12 @@ def launch_workers(
         str(cases),
         str(out),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        _FLOAT_ROWS[0]: _FLOAT_ROWS[1],
+    }
     proc = subprocess.Popen(
         command,
         cwd=ROOT,
