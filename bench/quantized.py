@@ -36,7 +36,10 @@ covers the measured request's prefill and decode with the model resident.
 
 Every result is also stored in --results (JSON, keyed by model/config/scenario, with the
 git state of the gateway's code); --reuse fills the cells this run did not measure from it
-(marked *), so the parts can run separately.
+(marked *), so the parts can run separately. The machine may be shared: before each
+measurement the driver waits (--idle-wait) for other processes to go quiet, records the
+cores they kept busy meanwhile ("others' cores"), and --keep-quiet CORES reruns only the
+cells measured while they used more.
 """
 
 from __future__ import annotations
@@ -166,6 +169,14 @@ def _load_results(path: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- the driver
+def _measured_quietly(result: dict[str, Any] | None, limit: float | None) -> bool:
+    """--keep-quiet: a stored result measured while other processes kept under ``limit``
+    cores busy is kept, not measured again."""
+    if limit is None or result is None or "error" in result:
+        return False
+    return bool(result.get("others_cores", float("inf")) <= limit)
+
+
 def _plan(alias: str, config: str, args: argparse.Namespace) -> list[str]:
     scenarios = [s for s in RUNS[config] if s in args.scenarios]
     if alias == RANDOM_7B:
@@ -232,6 +243,13 @@ def main() -> None:
     p.add_argument("--root", type=Path, default=gateway_home() / "bench", help="generated models")
     p.add_argument("--results", type=Path, default=None, help="default: <root>/quantized.json")
     p.add_argument("--reuse", action="store_true", help="fill unmeasured cells from --results")
+    p.add_argument(
+        "--keep-quiet",
+        type=float,
+        default=None,
+        metavar="CORES",
+        help="keep stored results measured while others used <= CORES cores; rerun the rest",
+    )
     args = p.parse_args()
     models = [m for m in args.models if not (args.skip_7b and m == RANDOM_7B)]
     results_file = args.results or args.root / "quantized.json"
@@ -244,6 +262,8 @@ def main() -> None:
         for config in args.configs:
             for scenario in _plan(alias, config, args):
                 key = f"{alias}|{config}|{scenario}"
+                if _measured_quietly(stored.get(key), args.keep_quiet):
+                    continue
                 _log(f"{key} ...")
                 waited = wait_for_idle(args.idle_wait) if args.idle_wait > 0 else 0.0
                 out = _run_worker(
@@ -258,7 +278,7 @@ def main() -> None:
                 results_file.parent.mkdir(parents=True, exist_ok=True)
                 results_file.write_text(json.dumps(stored, indent=1))
         _log(f"{alias}: {time.perf_counter() - start:.0f} s")
-    cells = dict(stored) if args.reuse else {}
+    cells = dict(stored) if args.reuse or args.keep_quiet is not None else {}
     reused = {k for k in cells if k not in fresh}
     cells.update(fresh)
     print(f"\ngateway code now: {_git_state()}")

@@ -13,64 +13,9 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
+#include "quantized.h"
+
 extern "C" {
-int mlxgw_quantized_matmul(
-    const float* x,
-    const uint32_t* w,
-    const void* scales,
-    const void* biases,
-    float* out,
-    int64_t rows,
-    int64_t in_features,
-    int64_t out_features,
-    int32_t bits,
-    int32_t group_size,
-    int32_t stype,
-    int32_t threads,
-    int32_t generic);
-int mlxgw_qdot(
-    const float* x,
-    const uint32_t* w,
-    const void* scales,
-    const void* biases,
-    float* out,
-    int64_t rows,
-    int64_t in_features,
-    int64_t out_features,
-    int32_t bits,
-    int32_t group_size,
-    int32_t stype,
-    int32_t x_bits,
-    int32_t threads,
-    int32_t generic);
-int mlxgw_dequantize_avx2(
-    const uint32_t* w,
-    const void* scales,
-    const void* biases,
-    float* dst,
-    int64_t n0,
-    int64_t n1,
-    int64_t in_features,
-    int64_t out_features,
-    int32_t bits,
-    int32_t group_size,
-    int32_t stype,
-    int32_t threads,
-    int32_t generic);
-int mlxgw_dequantize(
-    const uint32_t* w,
-    const void* scales,
-    const void* biases,
-    float* dst,
-    int64_t n0,
-    int64_t n1,
-    int64_t in_features,
-    int64_t out_features,
-    int32_t bits,
-    int32_t group_size,
-    int32_t stype,
-    int32_t threads,
-    int32_t generic);
 void cblas_sgemm(
     int order,
     int trans_a,

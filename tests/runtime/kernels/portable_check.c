@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "quantized.h"
+
 typedef struct { /* kernels.c AttnArgs */
     const float *q, *k, *v;
     float *out;
@@ -25,19 +27,6 @@ int mlxgw_gated_mul(const float *g, const float *u, float *out, int64_t n, int32
                     int32_t threads, int32_t generic);
 int mlxgw_small_gemm(const float *x, const float *w, float *out, int64_t rows, int64_t cols,
                      int64_t depth, int32_t threads, int32_t generic);
-int mlxgw_quantized_matmul(const float *x, const uint32_t *w, const void *scales,
-                           const void *biases, float *out, int64_t rows, int64_t in_features,
-                           int64_t out_features, int32_t bits, int32_t group_size, int32_t stype,
-                           int32_t threads, int32_t generic);
-int mlxgw_dequantize(const uint32_t *w, const void *scales, const void *biases, float *dst,
-                     int64_t n0, int64_t n1, int64_t in_features, int64_t out_features,
-                     int32_t bits, int32_t group_size, int32_t stype, int32_t threads,
-                     int32_t generic);
-int mlxgw_qdot(const float *x, const uint32_t *w, const void *scales, const void *biases,
-               float *out, int64_t rows, int64_t in_features, int64_t out_features, int32_t bits,
-               int32_t group_size, int32_t stype, int32_t x_bits, int32_t threads,
-               int32_t generic);
-
 static int passed, failed;
 static uint64_t rng_state = 88172645463325252ull;
 

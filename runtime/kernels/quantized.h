@@ -1,0 +1,37 @@
+/* The quantized kernels' C interface (quantized.c, qdot.c), for their callers: the MLX
+ * extension (ext/primitives.cpp) and the portable-code check (tests/runtime/kernels). */
+
+#ifndef MLXGW_QUANTIZED_H
+#define MLXGW_QUANTIZED_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* out[rows, N] = x[rows, K] @ dequantize(w, scales, biases).T, float kernel (quantized.c) */
+int mlxgw_quantized_matmul(const float *x, const uint32_t *w, const void *scales,
+                           const void *biases, float *out, int64_t rows, int64_t in_features,
+                           int64_t out_features, int32_t bits, int32_t group_size, int32_t stype,
+                           int32_t threads, int32_t generic);
+/* the same with x rounded to x_bits (8 or 16) integers per block of 32 (qdot.c, AVX2) */
+int mlxgw_qdot(const float *x, const uint32_t *w, const void *scales, const void *biases,
+               float *out, int64_t rows, int64_t in_features, int64_t out_features, int32_t bits,
+               int32_t group_size, int32_t stype, int32_t x_bits, int32_t threads,
+               int32_t generic);
+/* dst = rows n0..n1 of the weight as float32: portable (quantized.c) and AVX2 (qdot.c) */
+int mlxgw_dequantize(const uint32_t *w, const void *scales, const void *biases, float *dst,
+                     int64_t n0, int64_t n1, int64_t in_features, int64_t out_features,
+                     int32_t bits, int32_t group_size, int32_t stype, int32_t threads,
+                     int32_t generic);
+int mlxgw_dequantize_avx2(const uint32_t *w, const void *scales, const void *biases,
+                          float *dst, int64_t n0, int64_t n1, int64_t in_features,
+                          int64_t out_features, int32_t bits, int32_t group_size, int32_t stype,
+                          int32_t threads, int32_t generic);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
