@@ -59,10 +59,20 @@ def reset_peak() -> bool:
     return True
 
 
-def peak_rss_gb() -> float:
+def _status_gb(field: str) -> float:
     status = Path("/proc/self/status").read_text()
-    match = re.search(r"VmHWM:\s+(\d+) kB", status)
+    match = re.search(rf"{field}:\s+(\d+) kB", status)
     return int(match.group(1)) * 1024 / 1e9 if match else float("nan")
+
+
+def peak_rss_gb() -> float:
+    return _status_gb("VmHWM")
+
+
+def rss_split() -> dict[str, float]:
+    """The resident memory now, anonymous and file-backed (a mapped model file's pages are
+    page cache, shared and reclaimable; VmHWM counts them too)."""
+    return {"rss_anon_gb": _status_gb("RssAnon"), "rss_file_gb": _status_gb("RssFile")}
 
 
 def _guard_memory() -> None:
@@ -154,6 +164,7 @@ def run_gateway(path: Path, vocab: int, n: int, gen: int, streams: int) -> dict[
     for t in threads:
         t.join()
     info["peak_rss_gb"] = peak_rss_gb()
+    info |= rss_split()
     engine.stop()
     for done in finished:
         if not isinstance(done, Finished) or done.error:
@@ -200,6 +211,7 @@ def run_llama(path: Path, vocab: int, n: int, gen: int, threads: int) -> dict[st
     begin = time.perf_counter()
     out = greedy(prompt(vocab, n, 0), gen, stamps)
     info["peak_rss_gb"] = peak_rss_gb()
+    info |= rss_split()
     info["tokens"] = out[:32]
     info["prefill_tps"] = n / (stamps[0] - begin)
     info["decode_tps"] = (len(stamps) - 1) / (stamps[-1] - stamps[0])
@@ -256,7 +268,8 @@ def run_mlxlm(
     info: dict[str, Any] = {"load_s": time.perf_counter() - start}
     flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     dtype = next(v.dtype for k, v in flat if k.endswith(".scales"))
-    for _ in generate_step(mx.array(warmup_prompt(vocab)), model, max_tokens=WARMUP_GEN):
+    # a short warm-up: each token costs mlx-lm as much here as in the measurement
+    for _ in generate_step(mx.array(warmup_prompt(vocab)[:4]), model, max_tokens=2):
         pass
     prompts = [prompt(vocab, n, i) for i in range(streams)]
     tail = min(tail, n) if streams == 1 else 1
@@ -277,6 +290,7 @@ def run_mlxlm(
             tokens.append(int(tok))
             stamps.append(time.perf_counter())
         info["peak_rss_gb"] = peak_rss_gb()
+        info |= rss_split()
         info["tokens"] = tokens[:32]
         info["prefill_tps"] = tail / (stamps[0] - begin)
         info["decode_tps"] = (len(stamps) - 1) / (stamps[-1] - stamps[0])
@@ -296,6 +310,7 @@ def run_mlxlm(
             times[r.uid].append(now)
             done += r.finish_reason is not None
     info["peak_rss_gb"] = peak_rss_gb()
+    info |= rss_split()
     batch.close()
     return info | aggregate([times[u] for u in uids])
 
