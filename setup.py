@@ -98,7 +98,7 @@ setup(
         Extension(
             "runtime.kernels._kernels",
             sources=["runtime/kernels/kernels.c", "runtime/kernels/pool.c"],
-            depends=["runtime/kernels/common.h"],
+            depends=["runtime/kernels/common.h", "runtime/kernels/kernels.h"],
             extra_compile_args=_FLAGS,
             extra_link_args=[] if sys.platform == "win32" else ["-pthread"],
             optional=True,

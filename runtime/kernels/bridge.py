@@ -93,6 +93,7 @@ class _AttnArgs(ctypes.Structure):
         ("causal", ctypes.c_int32),
         ("threads", ctypes.c_int32),
         ("generic", ctypes.c_int32),
+        ("starts", ctypes.c_void_p),
     ]
 
 
@@ -113,7 +114,6 @@ class _QAttnArgs(ctypes.Structure):
         ("kb_strides", ctypes.c_int64 * 3),
         ("vs_strides", ctypes.c_int64 * 3),
         ("vb_strides", ctypes.c_int64 * 3),
-        ("starts", ctypes.c_void_p),
         ("bits", ctypes.c_int32),
         ("group", ctypes.c_int32),
     ]
@@ -336,13 +336,13 @@ def quantized_attention(
         qn.ctypes.data, None, None, out.ctypes.data,
         _strides(qn, (0, 1, 2)), nostrides, nostrides, _strides(out, (0, 2, 1)),
         batch, q_heads, kv_heads, length, count, dim, scale, int(causal),
-        lib.threads, int(lib.generic),
+        lib.threads, int(lib.generic), None if first is None else first.ctypes.data,
     )  # fmt: skip
     args = _QAttnArgs(
         base, kqn.ctypes.data, vqn.ctypes.data,
         ksn.ctypes.data, kbn.ctypes.data, vsn.ctypes.data, vbn.ctypes.data,
         *(_strides(x, (0, 1, 2)) for x in (kqn, vqn, ksn, kbn, vsn, vbn)),
-        None if first is None else first.ctypes.data, bits, group_size,
+        bits, group_size,
     )  # fmt: skip
     status = lib.lib.mlxgw_attention_quantized(ctypes.byref(args))
     if status != 0:

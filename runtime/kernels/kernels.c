@@ -16,6 +16,7 @@
  */
 
 #include "common.h"
+#include "kernels.h"
 
 INLINE v8f vselect(v8i mask, v8f yes, v8f no) {
     return (v8f)((mask & (v8i)yes) | (~mask & (v8i)no));
@@ -47,37 +48,6 @@ INLINE v8f vexp2(v8f x) {
 }
 
 /* ---------------------------------------------------------------- attention ---- */
-
-typedef struct {
-    const float *q; /* (B, Hq, L, D), any strides but unit stride along D */
-    const float *k; /* (B, Hkv, K, D) */
-    const float *v; /* (B, Hkv, K, D) */
-    float *out;     /* (B, Hq, L, D) as strides: e.g. a (B, L, Hq, D) buffer */
-    int64_t q_strides[3], k_strides[3], v_strides[3], o_strides[3]; /* b, head, row */
-    int32_t batch, q_heads, kv_heads, length, keys, dim;
-    float scale;
-    int32_t causal;  /* 1: query i is key position keys - length + i and sees keys <= it */
-    int32_t threads;
-    int32_t generic; /* 1: the portable code even where AVX2 is available (tests) */
-} AttnArgs;
-
-/* Attention over a quantized KV cache: `base` as for mlxgw_attention (its k and v unused),
- * keys and values as `mx.quantize` gave them along head_dim: codes (the uint32 words read
- * as bytes, element i of a row in byte i * bits / 8, low bits first) and one float32
- * scale and bias per `group` elements (value = scale * code + bias). Strides count
- * bytes for the codes and floats for the scales and biases. `starts` (NULL: all 0) gives
- * each batch row's first key: the keys before it (a batch row's left padding) are never
- * read. */
-typedef struct {
-    AttnArgs base;
-    const uint8_t *kq, *vq;         /* (B, Hkv, K, D * bits / 8) */
-    const float *ks, *kb, *vs, *vb; /* (B, Hkv, K, D / group) */
-    int64_t kq_strides[3], vq_strides[3], ks_strides[3], kb_strides[3], vs_strides[3],
-        vb_strides[3];
-    const int32_t *starts; /* (B) or NULL */
-    int32_t bits;          /* 8 or 4 */
-    int32_t group;         /* a multiple of 8 dividing dim */
-} QAttnArgs;
 
 /* Each work item is QBLOCK rows of one KV head; it walks the keys KBLOCK at a time and
  * each block in tiles of ROWS rows x KSTEP keys (scores) and ROWS rows x DSTEP dims (values):
@@ -306,7 +276,7 @@ INLINE void attend_item(const AttnArgs *a, const QAttnArgs *qa, Scratch *s, int6
         }
     }
     const int32_t key_end = s->pos[tiles * ROWS - 1] + 1;
-    const int32_t key_start = qa != NULL && qa->starts != NULL ? qa->starts[b] : 0;
+    const int32_t key_start = a->starts != NULL ? a->starts[b] : 0;
     int64_t ldk = a->k_strides[2], ldv = a->v_strides[2];
     if (qa != NULL) ldk = ldv = dim;
     for (int32_t j0 = key_start; j0 < key_end; j0 += KBLOCK) {
@@ -359,8 +329,6 @@ TARGET_AVX2 static void attend_qitem_avx2(const AttnArgs *a, Scratch *s, int64_t
 #endif
 
 /* ------------------------------------------------------------ gated activations ---- */
-
-enum { GATE_SILU = 0, GATE_GELU_TANH = 1 };
 
 /* out = act(g) * u. Both activations are x * sigmoid(z): silu with z = x, and tanh-gelu,
  * 0.5 x (1 + tanh(y)) with y = sqrt(2/pi) (x + 0.044715 x^3), is x * sigmoid(2y), which
@@ -586,9 +554,17 @@ static void *gemm_worker(void *arg) {
 }
 
 /* Returns 0 on success, 1 for arguments it does not handle, 2 when out of memory. */
+static int starts_valid(const AttnArgs *a) {
+    if (a->starts == NULL) return 1;
+    for (int32_t b = 0; b < a->batch; b++)
+        if (a->starts[b] < 0 || a->starts[b] > a->keys - a->length) return 0;
+    return 1;
+}
+
 EXPORT int mlxgw_attention(const AttnArgs *a) {
     if (a->batch < 1 || a->q_heads < 1 || a->kv_heads < 1 || a->q_heads % a->kv_heads != 0 ||
-        a->length < 1 || a->keys < a->length || a->dim < 1 || a->dim > MAX_DIM)
+        a->length < 1 || a->keys < a->length || a->dim < 1 || a->dim > MAX_DIM ||
+        !starts_valid(a))
         return 1;
     Job job = {0};
     job.attn = a;
@@ -610,10 +586,7 @@ EXPORT int mlxgw_attention_quantized(const QAttnArgs *qa) {
         (qa->bits != 8 && qa->bits != 4) || qa->group < 8 || qa->group % 8 != 0 ||
         a->dim % qa->group != 0)
         return 1;
-    if (qa->starts != NULL) {
-        for (int32_t b = 0; b < a->batch; b++)
-            if (qa->starts[b] < 0 || qa->starts[b] > a->keys - a->length) return 1;
-    }
+    if (!starts_valid(a)) return 1;
     Job job = {0};
     job.attn = a;
     job.quantized = 1;

@@ -26,6 +26,8 @@ import logging
 import os
 import platform
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 
 import mlx.core as mx
@@ -150,6 +152,125 @@ def qmatmul(
         bits=bits,
         mode=mode,
     )
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One affine-quantized weight as `qmatmuls` takes it (a quantized linear layer's
+    arrays): x @ dequantize(w).T + bias."""
+
+    w: mx.array
+    scales: mx.array
+    biases: mx.array
+    bias: mx.array | None
+    group_size: int
+    bits: int
+
+
+# what `qmatmuls` can apply between a gated pair (the C kernel's activations)
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def qmatmuls(x: mx.array, weights: Sequence[Packed], activation: str = "") -> list[mx.array] | None:
+    """Several products of one x as one CPU primitive (one pass over the threads, x
+    rounded once): a layer's q, k and v, or with `activation` ("silu", "gelu_tanh") a
+    gated pair's act(x @ W0.T) * (x @ W1.T) as one output. None where the primitive does
+    not run (not the CPU, no extension): the caller multiplies one weight at a time."""
+    ext = active()
+    if ext is None or x.ndim < 1 or not 1 <= len(weights) <= 8:
+        return None
+    outs: list[mx.array] = ext.quantized_matmuls(
+        x,
+        [p.w for p in weights],
+        [p.scales for p in weights],
+        [p.biases for p in weights],
+        [p.bias for p in weights],
+        group_size=[p.group_size for p in weights],
+        bits=[p.bits for p in weights],
+        activation=activation,
+        threads=thread_count(),
+        generic=_generic(),
+        small_rows=SMALL_ROWS,
+        x_bits=activation_bits(),
+    )
+    return outs
+
+
+# the widest head the C attention kernel takes
+MAX_HEAD_DIM = 512
+
+
+def can_attend(q: mx.array, k: mx.array) -> bool:
+    """Whether `attend` runs for these queries and keys (heads and width it takes, and
+    the primitive loaded)."""
+    return (
+        active() is not None
+        and q.ndim == 4
+        and k.ndim == 4
+        and q.shape[-1] <= MAX_HEAD_DIM
+        and k.shape[1] > 0
+        and q.shape[1] % k.shape[1] == 0
+    )
+
+
+def attend(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    causal: bool,
+    starts: Sequence[int] | None = None,
+) -> mx.array | None:
+    """(B, Hq, L, D) queries over (B, Hkv, K, D) keys and values (the queries being the
+    last L positions; `causal` hides each query's future; `starts`: each batch row's
+    first key, its left padding skipped) as a CPU primitive: (B, Hq, L, D) in q's dtype.
+    None where it does not run (not the CPU, no extension, a head over 512 wide)."""
+    ext = active()
+    if ext is None or not can_attend(q, k) or v.shape != k.shape:
+        return None
+    first = None if starts is None else mx.array(list(starts), dtype=mx.int32)
+    out: mx.array = ext.attention(
+        q, k, v, first, scale=scale, causal=causal, threads=thread_count(), generic=_generic()
+    )
+    # (B, L, Hq, D) memory seen as (B, Hq, L, D): the caller's transpose back is free
+    return out.transpose(0, 2, 1, 3).astype(q.dtype)
+
+
+def rms_norm(x: mx.array, w: mx.array, eps: float, unit_offset: bool = False) -> mx.array | None:
+    """RMSNorm over the last axis as one CPU primitive, scaled by (w + 1) with
+    `unit_offset` (gemma's weights); None where it does not run: MLX's op then (on the
+    CPU, mx.fast.rms_norm is a graph of 6 element-wise ops)."""
+    ext = active()
+    if ext is None or x.ndim < 1 or w.shape != (x.shape[-1],):
+        return None
+    out: mx.array = ext.rms_norm(x, w, eps=eps, unit_offset=unit_offset)
+    return out.astype(x.dtype)
+
+
+def rope(
+    x: mx.array,
+    *,
+    dims: int,
+    inv_freq: mx.array,
+    offset: int | mx.array,
+    scale: float,
+    mscale: float = 1.0,
+) -> mx.array | None:
+    """mx.fast.rope's non-traditional rotation of (B, H, L, D) `x` at `offset` (an int, or
+    one per batch row) by (offset + l) * scale * inv_freq, times `mscale`, as one CPU
+    primitive; None where it does not run (mx.fast.rope is about 15 ops on the CPU)."""
+    ext = active()
+    if ext is None or x.ndim != 4 or dims % 2 or not 0 < dims <= min(x.shape[-1], 1024):
+        return None
+    if isinstance(offset, mx.array):
+        offsets = offset.reshape(-1)
+        if offsets.size not in (1, x.shape[0]):
+            return None
+    else:
+        offsets = mx.array([offset], dtype=mx.int32)
+    out: mx.array = ext.rope(x, inv_freq, offsets, dims=dims, scale=scale, mscale=mscale)
+    return out.astype(x.dtype)
 
 
 def dequantize(

@@ -20,6 +20,7 @@
  */
 
 #include "common.h"
+#include "quantized.h"
 
 #include <pthread.h>
 
@@ -27,6 +28,9 @@
 #include <immintrin.h>
 
 #define TARGET_QDOT __attribute__((target("avx2,fma,f16c")))
+/* the row and width loops must be inlined with their constants: left as calls, the
+ * accumulators live on the stack */
+#define INLINE_QDOT TARGET_QDOT __attribute__((always_inline)) static inline
 
 enum { QB = 32, QDOT_ROWS = 4, QDOT_CHUNK = 16 };
 
@@ -102,7 +106,9 @@ static void build_unpackers(void) {
     }
 }
 
-TARGET_QDOT static inline __m256i weights_any(int bits, const uint8_t *row, int64_t blk) {
+/* the values of block `blk` as two vectors of 16-bit lanes: values 0-15, then 16-31 */
+INLINE_QDOT void weights_any16(int bits, const uint8_t *row, int64_t blk,
+                                             __m256i *wa, __m256i *wb) {
     const Unpack *u = &unpackers[bits];
     const uint8_t *p = row + blk * 4 * bits;
     __m128i a, b;
@@ -115,11 +121,33 @@ TARGET_QDOT static inline __m256i weights_any(int bits, const uint8_t *row, int6
         a = b = _mm_loadu_si128((const __m128i *)tmp);
     }
     const __m256i mask = _mm256_set1_epi16((short)((1 << bits) - 1));
-    __m256i wa = _mm256_shuffle_epi8(_mm256_set_m128i(a, a), u->shuffle[0]);
-    __m256i wb = _mm256_shuffle_epi8(_mm256_set_m128i(b, b), u->shuffle[1]);
-    wa = _mm256_and_si256(_mm256_mulhi_epu16(wa, u->multiply[0]), mask);
-    wb = _mm256_and_si256(_mm256_mulhi_epu16(wb, u->multiply[1]), mask);
+    *wa = _mm256_shuffle_epi8(_mm256_set_m128i(a, a), u->shuffle[0]);
+    *wb = _mm256_shuffle_epi8(_mm256_set_m128i(b, b), u->shuffle[1]);
+    *wa = _mm256_and_si256(_mm256_mulhi_epu16(*wa, u->multiply[0]), mask);
+    *wb = _mm256_and_si256(_mm256_mulhi_epu16(*wb, u->multiply[1]), mask);
+}
+
+TARGET_QDOT static inline __m256i weights_any(int bits, const uint8_t *row, int64_t blk) {
+    __m256i wa, wb;
+    weights_any16(bits, row, blk, &wa, &wb);
     return _mm256_packus_epi16(wa, wb);
+}
+
+/* For int16 x: the block's 32 values as two vectors of 16-bit lanes, in the order
+ * `wide_order` lays x out (4 bits: the even values, then the odd ones; else natural). */
+INLINE_QDOT void weights16(int bits, const uint8_t *row, int64_t blk,
+                                         __m256i *lo, __m256i *hi) {
+    if (bits == 8) {
+        const uint8_t *p = row + blk * 32;
+        *lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+        *hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));
+    } else if (bits == 4) {
+        __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + blk * 16)));
+        *lo = _mm256_and_si256(v, _mm256_set1_epi16(15));
+        *hi = _mm256_srli_epi16(v, 4);
+    } else {
+        weights_any16(bits, row, blk, lo, hi);
+    }
 }
 
 /* where value k of a block of 32 sits in the unpacked weights of `bits` */
@@ -127,6 +155,11 @@ static inline int weight_order(int bits, int k) {
     if (bits == 4) return (k & 1) * 16 + k / 2; /* byte j: values 2j (low), 2j + 1 (high) */
     if (bits == 8) return k;
     return k < 8 ? k : k < 16 ? k + 8 : k < 24 ? k - 8 : k;
+}
+
+/* the same for int16 x (`weights16`) */
+static inline int wide_order(int bits, int k) {
+    return bits == 4 ? (k & 1) * 16 + k / 2 : k;
 }
 
 TARGET_QDOT static inline __m256i weights8(const uint8_t *row, int64_t blk) {
@@ -146,15 +179,6 @@ TARGET_QDOT static inline __m256i dot8(__m256i w, const int8_t *x) {
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
-/* int16 x: the weights' bytes widened to 16 bits, two vpmaddwd (16 products each) */
-TARGET_QDOT static inline __m256i dot16(__m256i w, const int16_t *x) {
-    __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w));
-    __m256i hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
-    __m256i x0 = _mm256_loadu_si256((const __m256i *)x);
-    __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
-    return _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
-}
-
 TARGET_QDOT static inline float hsum8(__m256i v32) {
     __m256 v = _mm256_cvtepi32_ps(v32);
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -164,13 +188,12 @@ TARGET_QDOT static inline float hsum8(__m256i v32) {
 }
 
 /* rows m0 .. m0 + mr of one feature n; mr <= QDOT_ROWS (bits and mr constants inlined) */
-TARGET_QDOT static inline void feature_rows(const QDot *a, int bits, int wide, int mr, int64_t n,
-                                            int64_t m0) {
+INLINE_QDOT void feature_rows(const QDot *a, int bits, int mr, int64_t n, int64_t m0) {
     const int64_t depth = a->depth, blocks = depth / QB, groups = a->groups;
     const int per_group = a->group_size / QB;
     const uint8_t *row = (const uint8_t *)a->w + n * depth * bits / 8;
-    /* 8-bit weights meet int8 x centred (q - 128); int16 products need no centring */
-    const float half = bits == 8 && !wide ? 128.0f : 0.0f;
+    /* 8-bit weights meet int8 x centred (q - 128) */
+    const float half = bits == 8 ? 128.0f : 0.0f;
     __m256 acc[QDOT_ROWS];
     float bias[QDOT_ROWS];
     for (int r = 0; r < mr; r++) {
@@ -183,16 +206,14 @@ TARGET_QDOT static inline void feature_rows(const QDot *a, int bits, int wide, i
         const float b = scale_at(a->stype, a->biases, n * groups + g) + half * s;
         for (int r = 0; r < mr; r++) bias[r] += b * a->xsum[(m0 + r) * groups + g];
         for (int i = 0; i < per_group; i++, blk++) {
-            __m256i w = bits == 4             ? weights4(row, blk)
-                        : bits == 8 && wide   ? _mm256_loadu_si256((const __m256i *)(row + blk * 32))
-                        : bits == 8           ? weights8(row, blk)
-                                              : weights_any(bits, row, blk);
+            __m256i w = bits == 4   ? weights4(row, blk)
+                        : bits == 8 ? weights8(row, blk)
+                                    : weights_any(bits, row, blk);
             for (int r = 0; r < mr; r++) {
                 const int64_t m = m0 + r;
                 const int64_t at = m * depth + blk * QB;
-                __m256i d = wide        ? dot16(w, (const int16_t *)a->xq + at)
-                            : bits == 8 ? dot8(w, (const int8_t *)a->xq + at)
-                                        : dot4(w, (const int8_t *)a->xq + at);
+                __m256i d = bits == 8 ? dot8(w, (const int8_t *)a->xq + at)
+                                      : dot4(w, (const int8_t *)a->xq + at);
                 __m256 f = _mm256_set1_ps(s * a->xs[m * blocks + blk]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), f, acc[r]);
             }
@@ -206,16 +227,111 @@ TARGET_QDOT static inline void feature_rows(const QDot *a, int bits, int wide, i
     }
 }
 
-TARGET_QDOT static inline void features_bits(const QDot *a, int bits, int wide, int64_t n0,
+/* 8 consecutive scales or biases as floats */
+INLINE_QDOT __m256 scales8(int stype, const void *p, int64_t i) {
+    if (stype == 0) return _mm256_loadu_ps((const float *)p + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    if (stype == 1) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* one block's 32 products for int16 x, as 8 int32 lanes */
+INLINE_QDOT __m256i dot16(__m256i lo, __m256i hi, const int16_t *x) {
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+
+/* feature_rows for int16 x. The weights widen straight to 16-bit lanes (no byte packing);
+ * with groups of 32, eight groups' scales, biases and bias terms are read and multiplied
+ * as vectors; each row keeps two accumulators, so that consecutive blocks' multiply-adds
+ * do not wait on each other. */
+INLINE_QDOT void feature_rows_wide(const QDot *a, int bits, int mr, int64_t n, int64_t m0) {
+    const int64_t depth = a->depth, blocks = depth / QB, groups = a->groups;
+    const int per_group = a->group_size / QB;
+    const uint8_t *row = (const uint8_t *)a->w + n * depth * bits / 8;
+    const int16_t *xq = (const int16_t *)a->xq;
+    __m256 acc[QDOT_ROWS], other[QDOT_ROWS], bacc[QDOT_ROWS];
+    float bias[QDOT_ROWS];
+    for (int r = 0; r < mr; r++) {
+        acc[r] = other[r] = bacc[r] = _mm256_setzero_ps();
+        bias[r] = 0.0f;
+    }
+    int64_t blk = 0;
+    if (per_group == 1) {
+        for (; blk + 8 <= blocks; blk += 8) {
+            const __m256 sv = scales8(a->stype, a->scales, n * groups + blk);
+            const __m256 bv = scales8(a->stype, a->biases, n * groups + blk);
+            float fs[QDOT_ROWS][8];
+            for (int r = 0; r < mr; r++) {
+                const int64_t m = m0 + r;
+                bacc[r] = _mm256_fmadd_ps(bv, _mm256_loadu_ps(a->xsum + m * groups + blk), bacc[r]);
+                _mm256_storeu_ps(fs[r], _mm256_mul_ps(sv, _mm256_loadu_ps(a->xs + m * blocks + blk)));
+            }
+            for (int j = 0; j < 8; j++) {
+                __m256i lo, hi;
+                weights16(bits, row, blk + j, &lo, &hi);
+                for (int r = 0; r < mr; r++) {
+                    __m256i d = dot16(lo, hi, xq + (m0 + r) * depth + (blk + j) * QB);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_broadcast_ss(&fs[r][j]),
+                                             acc[r]);
+                    const __m256 t = acc[r]; /* the next block adds into the other one */
+                    acc[r] = other[r];
+                    other[r] = t;
+                }
+            }
+        }
+    }
+    for (int64_t g = blk / per_group; g < groups; g++) {
+        const float s = scale_at(a->stype, a->scales, n * groups + g);
+        const float b = scale_at(a->stype, a->biases, n * groups + g);
+        for (int r = 0; r < mr; r++) bias[r] += b * a->xsum[(m0 + r) * groups + g];
+        for (int i = 0; i < per_group; i++, blk++) {
+            __m256i lo, hi;
+            weights16(bits, row, blk, &lo, &hi);
+            for (int r = 0; r < mr; r++) {
+                const int64_t m = m0 + r;
+                __m256i d = dot16(lo, hi, xq + m * depth + blk * QB);
+                __m256 f = _mm256_set1_ps(s * a->xs[m * blocks + blk]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), f, acc[r]);
+                const __m256 t = acc[r];
+                acc[r] = other[r];
+                other[r] = t;
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        __m256 t = _mm256_add_ps(_mm256_add_ps(acc[r], other[r]), bacc[r]);
+        __m128 v = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        v = _mm_add_ss(v, _mm_movehdup_ps(v));
+        a->out[(m0 + r) * a->cols + n] = _mm_cvtss_f32(v) + bias[r];
+    }
+}
+
+INLINE_QDOT void features_bits(const QDot *a, int bits, int wide, int64_t n0,
                                              int64_t n1) {
+    if (wide) {
+        for (int64_t n = n0; n < n1; n++) {
+            int64_t m = 0;
+            for (; m + QDOT_ROWS <= a->rows; m += QDOT_ROWS)
+                feature_rows_wide(a, bits, QDOT_ROWS, n, m);
+            switch (a->rows - m) {
+            case 3: feature_rows_wide(a, bits, 3, n, m); break;
+            case 2: feature_rows_wide(a, bits, 2, n, m); break;
+            case 1: feature_rows_wide(a, bits, 1, n, m); break;
+            default: break;
+            }
+        }
+        return;
+    }
     for (int64_t n = n0; n < n1; n++) {
         int64_t m = 0;
         for (; m + QDOT_ROWS <= a->rows; m += QDOT_ROWS)
-            feature_rows(a, bits, wide, QDOT_ROWS, n, m);
+            feature_rows(a, bits, QDOT_ROWS, n, m);
         switch (a->rows - m) {
-        case 3: feature_rows(a, bits, wide, 3, n, m); break;
-        case 2: feature_rows(a, bits, wide, 2, n, m); break;
-        case 1: feature_rows(a, bits, wide, 1, n, m); break;
+        case 3: feature_rows(a, bits, 3, n, m); break;
+        case 2: feature_rows(a, bits, 2, n, m); break;
+        case 1: feature_rows(a, bits, 1, n, m); break;
         default: break;
         }
     }
@@ -236,19 +352,42 @@ FEATURES(5)
 FEATURES(6)
 FEATURES(8)
 
+TARGET_QDOT static void qdot_features(const QDot *a, int64_t start, int64_t end) {
+    switch (a->bits) {
+    case 2: features_2(a, start, end); break;
+    case 3: features_3(a, start, end); break;
+    case 4: features_4(a, start, end); break;
+    case 5: features_5(a, start, end); break;
+    case 6: features_6(a, start, end); break;
+    default: features_8(a, start, end); break;
+    }
+}
+
+/* Several products of one x, run as one job: the work items are chunks of every
+ * projection's features, in turn. */
+typedef struct {
+    QDot *parts;
+    const float *const *bias; /* per part: (cols) floats added to each row, or NULL */
+    const int64_t *first;     /* per part: its first work item; first[count] = all items */
+    int32_t count;
+    int64_t next;
+} QDotJob;
+
 TARGET_QDOT static void *qdot_worker(void *arg) {
-    QDot *a = arg;
+    QDotJob *job = arg;
+    int32_t p = 0;
     for (;;) {
-        int64_t start = __atomic_fetch_add(&a->next, 1, __ATOMIC_RELAXED) * QDOT_CHUNK;
-        if (start >= a->cols) break;
+        int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (item >= job->first[job->count]) break;
+        while (item >= job->first[p + 1]) p++;
+        const QDot *a = &job->parts[p];
+        int64_t start = (item - job->first[p]) * QDOT_CHUNK;
         int64_t end = start + QDOT_CHUNK < a->cols ? start + QDOT_CHUNK : a->cols;
-        switch (a->bits) {
-        case 2: features_2(a, start, end); break;
-        case 3: features_3(a, start, end); break;
-        case 4: features_4(a, start, end); break;
-        case 5: features_5(a, start, end); break;
-        case 6: features_6(a, start, end); break;
-        default: features_8(a, start, end); break;
+        qdot_features(a, start, end);
+        const float *bias = job->bias[p];
+        if (bias != NULL) {
+            for (int64_t m = 0; m < a->rows; m++)
+                for (int64_t n = start; n < end; n++) a->out[m * a->cols + n] += bias[n];
         }
     }
     return NULL;
@@ -279,7 +418,7 @@ TARGET_QDOT static void quantize_rows(const float *x, int64_t rows, int64_t dept
             for (int k = 0; k < QB; k++) {
                 long v = __builtin_lrintf(src[k] * inv);
                 if (wide)
-                    ((int16_t *)xq)[at + weight_order(bits, k)] = (int16_t)v;
+                    ((int16_t *)xq)[at + wide_order(bits, k)] = (int16_t)v;
                 else
                     ((int8_t *)xq)[at + weight_order(bits, k)] = (int8_t)v;
             }
@@ -291,7 +430,87 @@ static int qdot_supported(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
            __builtin_cpu_supports("f16c");
 }
+
+/* The layout x is rounded into for a width: which order, and whether 8-bit weights are
+ * centred (int8 x); products of equal layouts and group sizes share one rounded x. */
+static int x_layout(int bits, int wide) {
+    if (wide) return bits == 4 ? 1 : 0;
+    return bits == 4 ? 1 : bits == 8 ? 2 : 3;
+}
+
+static int qdot_refuses(const MlxgwQProj *p, int64_t depth) {
+    return p->bits < 2 || p->bits > 8 || p->bits == 7 ||
+           (p->group_size != 32 && p->group_size != 64 && p->group_size != 128) ||
+           p->stype < 0 || p->stype > 2 || p->cols < 1 || depth < p->group_size ||
+           depth % p->group_size != 0;
+}
 #endif
+
+EXPORT int mlxgw_qdot_many(const float *x, int64_t rows, int64_t in_features,
+                           const MlxgwQProj *projs, int32_t count, int32_t x_bits,
+                           int32_t threads, int32_t generic) {
+#if HAVE_X86_DISPATCH
+    enum { MAX_PARTS = 8 };
+    if (generic || !qdot_supported() || rows < 1 || count < 1 || count > MAX_PARTS ||
+        (x_bits != 8 && x_bits != 16))
+        return 1;
+    for (int32_t p = 0; p < count; p++)
+        if (qdot_refuses(&projs[p], in_features)) return 1;
+    const int wide = x_bits == 16;
+    const int64_t blocks = in_features / QB;
+    pthread_once(&unpackers_once, build_unpackers);
+    QDot parts[MAX_PARTS];
+    const float *bias[MAX_PARTS];
+    int64_t first[MAX_PARTS + 1];
+    void *owned[MAX_PARTS][3] = {{0}};
+    int status = 0;
+    first[0] = 0;
+    for (int32_t p = 0; p < count; p++) {
+        const MlxgwQProj *pr = &projs[p];
+        const int64_t groups = in_features / pr->group_size;
+        int32_t same = -1; /* an earlier part whose rounded x this one can read */
+        for (int32_t e = 0; e < p && same < 0; e++)
+            if (x_layout(projs[e].bits, wide) == x_layout(pr->bits, wide) &&
+                projs[e].group_size == pr->group_size)
+                same = e;
+        void *xq;
+        float *xs, *xsum;
+        if (same >= 0) {
+            xq = (void *)parts[same].xq;
+            xs = (float *)parts[same].xs;
+            xsum = (float *)parts[same].xsum;
+        } else {
+            xq = owned[p][0] = malloc((size_t)(rows * in_features) * (wide ? 2 : 1));
+            xs = owned[p][1] = malloc((size_t)(rows * blocks) * sizeof(float));
+            xsum = owned[p][2] = malloc((size_t)(rows * groups) * sizeof(float));
+            if (!xq || !xs || !xsum) {
+                status = 2;
+                count = p + 1;
+                break;
+            }
+            quantize_rows(x, rows, in_features, pr->bits, pr->group_size, wide, xq, xs, xsum);
+        }
+        parts[p] = (QDot){xq, xs, xsum, pr->w, pr->scales, pr->biases, pr->out, rows,
+                          in_features, pr->cols, groups, pr->bits, pr->group_size, pr->stype,
+                          wide, 0};
+        bias[p] = pr->bias;
+        first[p + 1] = first[p] + (pr->cols + QDOT_CHUNK - 1) / QDOT_CHUNK;
+    }
+    if (status == 0) {
+        QDotJob job = {parts, bias, first, count, 0};
+        if (threads < 1) threads = 1;
+        if (threads > first[count]) threads = (int32_t)first[count];
+        run_threads(qdot_worker, &job, threads);
+    }
+    for (int32_t p = 0; p < count; p++)
+        for (int k = 0; k < 3; k++) free(owned[p][k]);
+    return status;
+#else
+    (void)x, (void)rows, (void)in_features, (void)projs, (void)count, (void)x_bits;
+    (void)threads, (void)generic;
+    return 1;
+#endif
+}
 
 /* Arguments as mlxgw_quantized_matmul's (quantized.c); bits 2-6 or 8; x_bits 8 or 16, the
  * integers x is rounded to. Returns 0 on success, 1 when not handled here (widths, no
@@ -300,41 +519,8 @@ EXPORT int mlxgw_qdot(const float *x, const uint32_t *w, const void *scales, con
                       float *out, int64_t rows, int64_t in_features, int64_t out_features,
                       int32_t bits, int32_t group_size, int32_t stype, int32_t x_bits,
                       int32_t threads, int32_t generic) {
-#if HAVE_X86_DISPATCH
-    if (generic || !qdot_supported() || bits < 2 || bits > 8 || bits == 7 ||
-        (group_size != 32 && group_size != 64 && group_size != 128) || stype < 0 ||
-        stype > 2 || rows < 1 || out_features < 1 || in_features < group_size ||
-        in_features % group_size != 0 || (x_bits != 8 && x_bits != 16))
-        return 1;
-    const int64_t blocks = in_features / QB, groups = in_features / group_size;
-    const int wide = x_bits == 16;
-    void *xq = malloc((size_t)(rows * in_features) * (wide ? 2 : 1));
-    float *xs = malloc((size_t)(rows * blocks) * sizeof(float));
-    float *xsum = malloc((size_t)(rows * groups) * sizeof(float));
-    if (!xq || !xs || !xsum) {
-        free(xq);
-        free(xs);
-        free(xsum);
-        return 2;
-    }
-    pthread_once(&unpackers_once, build_unpackers);
-    quantize_rows(x, rows, in_features, bits, group_size, wide, xq, xs, xsum);
-    QDot a = {xq, xs, xsum, w, scales, biases, out, rows, in_features, out_features, groups,
-              bits, group_size, stype, wide, 0};
-    int64_t items = (out_features + QDOT_CHUNK - 1) / QDOT_CHUNK;
-    if (threads < 1) threads = 1;
-    if (threads > items) threads = (int32_t)items;
-    run_threads(qdot_worker, &a, threads);
-    free(xq);
-    free(xs);
-    free(xsum);
-    return 0;
-#else
-    (void)x, (void)w, (void)scales, (void)biases, (void)out, (void)rows, (void)in_features;
-    (void)out_features, (void)bits, (void)group_size, (void)stype, (void)x_bits, (void)threads;
-    (void)generic;
-    return 1;
-#endif
+    const MlxgwQProj proj = {w, scales, biases, NULL, out, out_features, bits, group_size, stype};
+    return mlxgw_qdot_many(x, rows, in_features, &proj, 1, x_bits, threads, generic);
 }
 
 /* -- dequantization into float32 rows (prompt-sized products, quantized.c's contract) --- */

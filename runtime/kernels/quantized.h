@@ -20,6 +20,20 @@ int mlxgw_qdot(const float *x, const uint32_t *w, const void *scales, const void
                float *out, int64_t rows, int64_t in_features, int64_t out_features, int32_t bits,
                int32_t group_size, int32_t stype, int32_t x_bits, int32_t threads,
                int32_t generic);
+/* One product of mlxgw_qdot_many: out[rows, cols] = x @ dequantize(w, scales, biases).T
+ * (+ bias[cols] on every row, when bias is not NULL). */
+typedef struct {
+    const uint32_t *w;
+    const void *scales, *biases;
+    const float *bias;
+    float *out;
+    int64_t cols;
+    int32_t bits, group_size, stype;
+} MlxgwQProj;
+/* mlxgw_qdot for `count` (at most 8) weights of one x, in one job on the threads: x is
+ * rounded once per layout the widths need */
+int mlxgw_qdot_many(const float *x, int64_t rows, int64_t in_features, const MlxgwQProj *projs,
+                    int32_t count, int32_t x_bits, int32_t threads, int32_t generic);
 /* dst = rows n0..n1 of the weight as float32: portable (quantized.c) and AVX2 (qdot.c) */
 int mlxgw_dequantize(const uint32_t *w, const void *scales, const void *biases, float *dst,
                      int64_t n0, int64_t n1, int64_t in_features, int64_t out_features,

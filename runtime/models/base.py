@@ -13,6 +13,7 @@ from mlx.nn.layers.base import Module
 from runtime import kernels as cpu_kernels
 from runtime.cache import (
     BatchQuantizedCache,
+    BatchTokenCache,
     Cache,
     KVCache,
     Mask,
@@ -21,7 +22,7 @@ from runtime.cache import (
     RotatingKVCache,
     window_mask,
 )
-from runtime.models.linear import Embedding, Linear
+from runtime.models.linear import Embedding, Linear, fused_products
 from runtime.models.quantized_attention import quantized_attention
 from runtime.models.rope import RoPE
 
@@ -76,6 +77,9 @@ class RMSNorm(Module):
         self.unit_offset = unit_offset
 
     def __call__(self, x: mx.array) -> mx.array:
+        out = cpu_kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
+        if out is not None:
+            return out
         weight = 1.0 + self.weight if self.unit_offset else self.weight
         return mx.fast.rms_norm(x, weight, self.eps)
 
@@ -123,6 +127,11 @@ class MLP(Module):
         self._kernel_act = _KERNEL_ACTIVATIONS.get(act)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self._kernel_act is not None:
+            # quantized on the CPU: gate, up and the activation in one primitive
+            fused = fused_products(x, (self.gate_proj, self.up_proj), self._kernel_act)
+            if fused is not None:
+                return self.down_proj(fused[0])
         gate, up = self.gate_proj(x), self.up_proj(x)
         hidden = None
         if self._kernel_act is not None:
@@ -175,7 +184,10 @@ def attention(
     (cpu_kernels.attention); Metal and CUDA keep MLX's fused kernel.
     """
     if softcap is None and (mask is None or isinstance(mask, str)):
-        out = cpu_kernels.attention(q, k, v, scale=scale, causal=mask is not None)
+        # the CPU primitive (any length, in the graph), else the ctypes kernel (prefill)
+        out = cpu_kernels.attend(q, k, v, scale=scale, causal=mask is not None)
+        if out is None:
+            out = cpu_kernels.attention(q, k, v, scale=scale, causal=mask is not None)
         if out is not None:
             return out
     length, keys = q.shape[2], k.shape[2]
@@ -205,6 +217,21 @@ def cache_attention(
     """`attention` of (B, Hq, L, D) queries (rotated) over what `cache` holds once it
     has taken these (B, Hkv, L, D) keys and values: a quantized cache's groups are read
     where they are (runtime/models/quantized_attention.py)."""
+    if (
+        isinstance(cache, BatchTokenCache)
+        and cache.plain
+        and window is None
+        and softcap is None
+        and cpu_kernels.can_attend(q, k)
+        and v.shape == k.shape
+    ):
+        # a batch's rows as the CPU primitive reads them: each from its first token, past
+        # its left padding, with no (B, 1, L, K) mask built
+        padding = cache.padding
+        keys, values = cache.update_and_fetch(k, v)
+        out = cpu_kernels.attend(q, keys, values, scale=scale, causal=True, starts=padding)
+        assert out is not None  # can_attend said it runs
+        return out
     mask = cache.make_mask(q.shape[2], window)
     if isinstance(cache, (QuantizedKVCache, BatchQuantizedCache)):
         # a batch's mask, without a window, is its rows' padding and causality
@@ -282,9 +309,11 @@ class Attention(Module):
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(B, L, dims) -> queries, keys, values as (B, L, heads, head_dim), q/k normed."""
         batch, length, _ = x.shape
-        q = self.q_proj(x).reshape(batch, length, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
+        qkv = fused_products(x, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = qkv if qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.reshape(batch, length, self.n_heads, self.head_dim)
+        k = k.reshape(batch, length, self.n_kv_heads, self.head_dim)
+        v = v.reshape(batch, length, self.n_kv_heads, self.head_dim)
         if self._qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v

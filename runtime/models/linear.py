@@ -72,6 +72,33 @@ class QuantizedLinear(_MLXQuantizedLinear):
         return out + self["bias"] if "bias" in self else out
 
 
+def packed(layer: object) -> cpu_kernels.Packed | None:
+    """A quantized linear layer's arrays as the CPU's multi-product primitive takes them;
+    None for any other layer."""
+    if not isinstance(layer, QuantizedLinear) or layer.mode != "affine" or "biases" not in layer:
+        return None
+    return cpu_kernels.Packed(
+        layer["weight"],
+        layer["scales"],
+        layer["biases"],
+        layer.get("bias"),
+        layer.group_size,
+        layer.bits,
+    )
+
+
+def fused_products(
+    x: mx.array, layers: tuple[object, ...], activation: str = ""
+) -> list[mx.array] | None:
+    """The layers' outputs for one input as one CPU primitive (q, k and v; or a gated
+    pair with `activation`, one output): None unless every layer is quantized and the
+    primitive runs here, and the caller calls the layers one by one."""
+    parts = [packed(layer) for layer in layers]
+    if any(p is None for p in parts):
+        return None
+    return cpu_kernels.qmatmuls(x, [p for p in parts if p is not None], activation)
+
+
 class Embedding(_MLXEmbedding):
     def to_quantized(
         self,

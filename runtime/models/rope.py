@@ -15,6 +15,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from runtime import kernels as cpu_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _LAYER_TYPE_KEYS = ("full_attention", "sliding_attention")
 
@@ -165,6 +167,7 @@ class RoPE:
         self._base: float | None = spec.theta
         self._freqs: mx.array | None = None
         self._mscale = 1.0
+        self._inv_freq: mx.array | None = None
         if spec.rope_type == "linear":
             self._scale = 1.0 / spec.factor
         elif spec.rope_type in ("llama3", "yarn"):
@@ -176,7 +179,30 @@ class RoPE:
             self._freqs = mx.array((1.0 / inv_freq).astype(np.float32))
             self._base = None
 
+    def inv_freq(self) -> mx.array:
+        """Each rotated pair's inverse frequency, float32, as mx.fast.rope's CPU fallback
+        computes it (the reciprocal of the periods, or exp(-i log(base) / (dims / 2)))."""
+        if self._inv_freq is None:
+            half = self.dims // 2
+            if self._freqs is not None:
+                self._inv_freq = mx.reciprocal(self._freqs)
+            else:
+                step = mx.array(-math.log(self._base or 10000.0) / half, dtype=mx.float32)
+                self._inv_freq = mx.exp(mx.arange(half, dtype=mx.float32) * step)
+            mx.eval(self._inv_freq)
+        return self._inv_freq
+
     def __call__(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        out = cpu_kernels.rope(
+            x,
+            dims=self.dims,
+            inv_freq=self.inv_freq(),
+            offset=offset,
+            scale=self._scale,
+            mscale=self._mscale,
+        )
+        if out is not None:
+            return out
         if self._mscale != 1.0:
             # yarn scales cos and sin, i.e. the rotated vector, by its attention factor.
             x = x * mx.array(self._mscale, dtype=x.dtype)

@@ -2,7 +2,9 @@
 // runtime/kernels/primitives.py).
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/version.h"
 #include "primitives.h"
@@ -31,6 +33,56 @@ NB_MODULE(_mlx_ext, m) {
       "small_rows"_a,
       "x_bits"_a,
       "x @ dequantize(w).T on the CPU, as float32");
+  m.def(
+      "quantized_matmuls",
+      &mlxgw::quantized_matmuls,
+      "x"_a,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      "bias"_a,
+      nb::kw_only(),
+      "group_size"_a,
+      "bits"_a,
+      "activation"_a,
+      "threads"_a,
+      "generic"_a,
+      "small_rows"_a,
+      "x_bits"_a,
+      "several products of one x in one primitive (optionally gated: act(p0) * p1)");
+  m.def(
+      "attention",
+      &mlxgw::attention,
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "starts"_a.none(),
+      nb::kw_only(),
+      "scale"_a,
+      "causal"_a,
+      "threads"_a,
+      "generic"_a,
+      "attention of (B, Hq, L, D) queries over (B, Hkv, K, D) keys and values: (B, L, Hq, D)");
+  m.def(
+      "rms_norm",
+      &mlxgw::rms_norm,
+      "x"_a,
+      "w"_a,
+      nb::kw_only(),
+      "eps"_a,
+      "unit_offset"_a,
+      "RMSNorm over the last axis, float32, in one pass");
+  m.def(
+      "rope",
+      &mlxgw::rope,
+      "x"_a,
+      "inv_freq"_a,
+      "offsets"_a,
+      nb::kw_only(),
+      "dims"_a,
+      "scale"_a,
+      "mscale"_a,
+      "rotary embedding of (B, H, L, D), mx.fast.rope's non-traditional pairing, float32");
   m.def(
       "dequantize",
       &mlxgw::dequantize,

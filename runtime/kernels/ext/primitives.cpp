@@ -4,8 +4,10 @@
 #include "primitives.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <sstream>
 #include <stdexcept>
@@ -13,6 +15,7 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
+#include "kernels.h"
 #include "quantized.h"
 
 extern "C" {
@@ -118,7 +121,184 @@ void check_status(int status, const char* what) {
   }
 }
 
+int activation_kind(const std::string& name) {
+  if (name.empty()) {
+    return -1;
+  }
+  if (name == "silu") {
+    return GATE_SILU;
+  }
+  if (name == "gelu_tanh") {
+    return GATE_GELU_TANH;
+  }
+  throw std::invalid_argument(
+      "[mlxgw.quantized_matmuls] activation must be '', 'silu' or 'gelu_tanh', not '" + name +
+      "'");
+}
+
+// copy a strided array's elements (any ndim, `size` bytes each) into a packed buffer
+void gather(const char* src, char* dst, const mx::Shape& shape, const mx::Strides& strides,
+            size_t size) {
+  int nd = int(shape.size());
+  int64_t total = 1;
+  for (auto n : shape) {
+    total *= n;
+  }
+  std::vector<int64_t> index(nd, 0);
+  for (int64_t i = 0; i < total; i++) {
+    int64_t offset = 0;
+    for (int d = 0; d < nd; d++) {
+      offset += index[d] * strides[d];
+    }
+    std::memcpy(dst + i * size, src + offset * int64_t(size), size);
+    for (int d = nd - 1; d >= 0; d--) {
+      if (++index[d] < shape[d]) {
+        break;
+      }
+      index[d] = 0;
+    }
+  }
+}
+
+// `arr` with a row-contiguous buffer: itself, or a copy made in the stream's order (MLX's
+// own copy routine is not exported from libmlx) that the encoder keeps alive
+mx::array row_contiguous(const mx::array& arr, mx::Stream stream) {
+  if (arr.flags().row_contiguous) {
+    return arr;
+  }
+  mx::array copy(arr.shape(), arr.dtype(), nullptr, {});
+  copy.set_data(mx::allocator::malloc(copy.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  encoder.set_input_array(arr);
+  encoder.set_output_array(copy);
+  encoder.dispatch([src = arr.data<char>(),
+                    dst = copy.data<char>(),
+                    shape = arr.shape(),
+                    strides = arr.strides(),
+                    size = arr.itemsize()]() { gather(src, dst, shape, strides, size); });
+  encoder.add_temporary(copy);
+  return copy;
+}
+
+// `arr` with unit stride along its last axis (what the attention kernel reads)
+mx::array unit_last_stride(const mx::array& arr, mx::Stream stream) {
+  if (arr.ndim() == 0 || arr.strides().back() == 1 || arr.shape(-1) == 1) {
+    return arr;
+  }
+  return row_contiguous(arr, stream);
+}
+
+struct ProductArgs {
+  const uint32_t* w;
+  const void* scales;
+  const void* biases;
+  const float* bias;
+  float* out;
+  int64_t cols;
+  int bits, group_size, stype;
+};
+
+// one product over a prompt's rows: a tile of features at a time, dequantized, through
+// the BLAS; or the float kernel over a few rows
+void product(
+    const float* x,
+    int64_t rows,
+    int64_t depth,
+    const ProductArgs& p,
+    int threads,
+    int generic,
+    bool few) {
+  if (few) {
+    check_status(
+        mlxgw_quantized_matmul(
+            x, p.w, p.scales, p.biases, p.out, rows, depth, p.cols, p.bits, p.group_size,
+            p.stype, threads, generic),
+        "quantized_matmul");
+  } else {
+    int64_t tile = std::max<int64_t>(64, kTileFloats / depth / 64 * 64);
+    tile = std::min(tile, p.cols);
+    std::unique_ptr<float[]> buffer(new float[tile * depth]);
+    for (int64_t n0 = 0; n0 < p.cols; n0 += tile) {
+      int64_t n1 = std::min(p.cols, n0 + tile);
+      check_status(
+          dequantize_rows(
+              p.w, p.scales, p.biases, buffer.get(), n0, n1, depth, p.cols, p.bits,
+              p.group_size, p.stype, threads, generic),
+          "dequantize");
+      cblas_sgemm(
+          kRowMajor, kNoTrans, kTrans, int(rows), int(n1 - n0), int(depth), 1.0f, x,
+          int(depth), buffer.get(), int(depth), 0.0f, p.out + n0, int(p.cols));
+    }
+  }
+  if (p.bias != nullptr) {
+    for (int64_t m = 0; m < rows; m++) {
+      for (int64_t n = 0; n < p.cols; n++) {
+        p.out[m * p.cols + n] += p.bias[n];
+      }
+    }
+  }
+}
+
+mx::Shape product_shape(const mx::array& x, const mx::array& w) {
+  mx::Shape shape = x.shape();
+  shape.back() = w.shape(0);
+  return shape;
+}
+
 } // namespace
+
+std::vector<mx::array> quantized_matmuls(
+    const mx::array& x,
+    const std::vector<mx::array>& w,
+    const std::vector<mx::array>& scales,
+    const std::vector<mx::array>& biases,
+    const std::vector<std::optional<mx::array>>& bias,
+    const std::vector<int>& group_size,
+    const std::vector<int>& bits,
+    const std::string& activation,
+    int threads,
+    bool generic,
+    int small_rows,
+    int x_bits) {
+  size_t count = w.size();
+  if (count < 1 || count > 8 || scales.size() != count || biases.size() != count ||
+      bias.size() != count || group_size.size() != count || bits.size() != count) {
+    throw std::invalid_argument(
+        "[mlxgw.quantized_matmuls] 1 to 8 weights, each with scales, biases, an optional "
+        "bias, a group size and a width");
+  }
+  if (x.ndim() < 1) {
+    throw std::invalid_argument("[mlxgw.quantized_matmuls] x must have at least one axis");
+  }
+  int act = activation_kind(activation);
+  if (act >= 0 && (count != 2 || w[0].shape(0) != w[1].shape(0))) {
+    throw std::invalid_argument(
+        "[mlxgw.quantized_matmuls] a gated activation takes two weights of one shape");
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs{mx::astype(x, mx::float32, stream)};
+  std::vector<Product> products;
+  std::vector<mx::Shape> shapes;
+  for (size_t i = 0; i < count; i++) {
+    check_format(w[i], scales[i], biases[i], x.shape(-1), group_size[i], bits[i]);
+    inputs.insert(inputs.end(), {w[i], scales[i], biases[i]});
+    if (bias[i].has_value()) {
+      if (bias[i]->ndim() != 1 || bias[i]->shape(0) != w[i].shape(0)) {
+        throw std::invalid_argument("[mlxgw.quantized_matmuls] a bias must be (out_features,)");
+      }
+      inputs.push_back(mx::astype(*bias[i], mx::float32, stream));
+    }
+    products.push_back({group_size[i], bits[i], bias[i].has_value()});
+    shapes.push_back(product_shape(x, w[i]));
+  }
+  if (act >= 0) {
+    shapes.resize(1);
+  }
+  auto primitive = std::make_shared<QuantizedMatmul>(
+      stream, std::move(products), act, std::max(1, threads), generic, small_rows, x_bits);
+  std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
+  return mx::array::make_arrays(std::move(shapes), dtypes, primitive, inputs);
+}
 
 mx::array quantized_matmul(
     const mx::array& x,
@@ -131,23 +311,46 @@ mx::array quantized_matmul(
     bool generic,
     int small_rows,
     int x_bits) {
-  if (x.ndim() < 1) {
-    throw std::invalid_argument("[mlxgw.quantized_matmul] x must have at least one axis");
+  return quantized_matmuls(
+      x, {w}, {scales}, {biases}, {std::nullopt}, {group_size}, {bits}, "", threads, generic,
+      small_rows, x_bits)[0];
+}
+
+mx::array attention(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    const std::optional<mx::array>& starts,
+    float scale,
+    bool causal,
+    int threads,
+    bool generic) {
+  bool ok = q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4 && k.shape() == v.shape() &&
+      q.shape(0) == k.shape(0) && q.shape(3) == k.shape(3) && k.shape(1) > 0 &&
+      q.shape(1) % k.shape(1) == 0 && q.shape(2) <= k.shape(2) && q.shape(3) <= 512;
+  if (!ok) {
+    std::ostringstream msg;
+    msg << "[mlxgw.attention] q (B, Hq, L, D), k and v (B, Hkv, K, D) with Hq a multiple of "
+           "Hkv, L <= K and D <= 512; got q "
+        << q.shape() << ", k " << k.shape() << ", v " << v.shape();
+    throw std::invalid_argument(msg.str());
   }
-  check_format(w, scales, biases, x.shape(-1), group_size, bits);
   auto stream = mx::default_stream(mx::Device::cpu);
-  auto xf = mx::contiguous(mx::astype(x, mx::float32, stream), false, stream);
-  mx::Shape shape = x.shape();
-  shape.back() = w.shape(0);
+  std::vector<mx::array> inputs{
+      mx::astype(q, mx::float32, stream),
+      mx::astype(k, mx::float32, stream),
+      mx::astype(v, mx::float32, stream)};
+  if (starts.has_value()) {
+    if (starts->ndim() != 1 || starts->shape(0) != q.shape(0)) {
+      throw std::invalid_argument("[mlxgw.attention] starts must be (B,)");
+    }
+    inputs.push_back(mx::astype(*starts, mx::int32, stream));
+  }
   return mx::array(
-      std::move(shape),
+      mx::Shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)},
       mx::float32,
-      std::make_shared<QuantizedMatmul>(
-          stream, group_size, bits, std::max(1, threads), generic, small_rows, x_bits),
-      {xf,
-       mx::contiguous(w, false, stream),
-       mx::contiguous(scales, false, stream),
-       mx::contiguous(biases, false, stream)});
+      std::make_shared<Attention>(stream, scale, causal, std::max(1, threads), generic),
+      std::move(inputs));
 }
 
 mx::array dequantize(
@@ -168,85 +371,93 @@ mx::array dequantize(
       mx::Shape{w.shape(0), int(depth)},
       mx::float32,
       std::make_shared<Dequantize>(stream, group_size, bits, std::max(1, threads), generic),
-      {mx::contiguous(w, false, stream),
-       mx::contiguous(scales, false, stream),
-       mx::contiguous(biases, false, stream)});
+      {w, scales, biases});
 }
 
 void QuantizedMatmul::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  auto& x = inputs[0];
-  auto& w = inputs[1];
-  auto& scales = inputs[2];
-  auto& biases = inputs[3];
-  auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
+  auto s = stream();
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  auto x = row_contiguous(inputs[0], s);
   encoder.set_input_array(x);
-  encoder.set_input_array(w);
-  encoder.set_input_array(scales);
-  encoder.set_input_array(biases);
-  encoder.set_output_array(out);
   int64_t depth = x.shape(-1);
   int64_t rows = depth ? x.size() / depth : 0;
-  int64_t cols = w.shape(0);
+  std::vector<ProductArgs> args;
+  size_t at = 1;
+  size_t weight_bytes = 0;
+  for (size_t i = 0; i < products_.size(); i++) {
+    auto w = row_contiguous(inputs[at], s);
+    auto scales = row_contiguous(inputs[at + 1], s);
+    auto biases = row_contiguous(inputs[at + 2], s);
+    at += 3;
+    const float* bias = nullptr;
+    if (products_[i].has_bias) {
+      auto b = row_contiguous(inputs[at++], s);
+      encoder.set_input_array(b);
+      bias = b.data<float>();
+    }
+    for (auto* a : {&w, &scales, &biases}) {
+      encoder.set_input_array(*a);
+    }
+    weight_bytes += w.nbytes();
+    args.push_back(
+        {w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), bias, nullptr, w.shape(0),
+         products_[i].bits, products_[i].group_size, scale_type(scales.dtype())});
+  }
+  for (auto& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    encoder.set_output_array(out);
+  }
+  // a gated pair's products go to scratch, and act(gate) * up to the output
+  std::shared_ptr<float[]> scratch;
+  if (activation_ >= 0) {
+    scratch.reset(new float[2 * rows * args[0].cols]);
+    args[0].out = scratch.get();
+    args[1].out = scratch.get() + rows * args[0].cols;
+  } else {
+    for (size_t i = 0; i < args.size(); i++) {
+      args[i].out = outputs[i].data<float>();
+    }
+  }
   encoder.dispatch([xp = x.data<float>(),
-                    wp = w.data<uint32_t>(),
-                    sp = scales.data<void>(),
-                    bp = biases.data<void>(),
-                    op = out.data<float>(),
+                    args = std::move(args),
+                    scratch,
+                    gated = activation_ >= 0 ? outputs[0].data<float>() : nullptr,
+                    act = activation_,
                     rows,
                     depth,
-                    cols,
-                    stype = scale_type(scales.dtype()),
-                    bits = bits_,
-                    gs = group_size_,
-                    threads = w.nbytes() < kThreadBytes ? 1 : threads_,
+                    threads = weight_bytes < kThreadBytes ? 1 : threads_,
                     generic = int(generic_),
                     small = small_rows_,
                     x_bits = x_bits_]() {
     if (rows == 0) {
       return;
     }
-    if (rows <= small && x_bits != 0 &&
-        mlxgw_qdot(
-            xp, wp, sp, bp, op, rows, depth, cols, bits, gs, stype, x_bits, threads, generic) ==
-            0) {
-      return;
+    bool done = false;
+    if (rows <= small && x_bits != 0) {
+      std::vector<MlxgwQProj> projs;
+      for (auto& p : args) {
+        projs.push_back({p.w, p.scales, p.biases, p.bias, p.out, p.cols, p.bits, p.group_size,
+                         p.stype});
+      }
+      int status = mlxgw_qdot_many(
+          xp, rows, depth, projs.data(), int32_t(projs.size()), x_bits, threads, generic);
+      if (status != 1) {
+        check_status(status, "qdot");
+        done = true;
+      }
     }
-    if (rows <= small) {
-      check_status(
-          mlxgw_quantized_matmul(
-              xp, wp, sp, bp, op, rows, depth, cols, bits, gs, stype, threads, generic),
-          "quantized_matmul");
-      return;
+    if (!done) {
+      for (auto& p : args) {
+        product(xp, rows, depth, p, threads, generic, rows <= small);
+      }
     }
-    // prompt-sized: a tile of features at a time, dequantized, through the BLAS
-    int64_t tile = std::max<int64_t>(64, kTileFloats / depth / 64 * 64);
-    tile = std::min(tile, cols);
-    std::unique_ptr<float[]> buffer(new float[tile * depth]);
-    for (int64_t n0 = 0; n0 < cols; n0 += tile) {
-      int64_t n1 = std::min(cols, n0 + tile);
+    if (gated != nullptr) {
+      int64_t n = rows * args[0].cols;
       check_status(
-          dequantize_rows(
-              wp, sp, bp, buffer.get(), n0, n1, depth, cols, bits, gs, stype, threads, generic),
-          "dequantize");
-      cblas_sgemm(
-          kRowMajor,
-          kNoTrans,
-          kTrans,
-          int(rows),
-          int(n1 - n0),
-          int(depth),
-          1.0f,
-          xp,
-          int(depth),
-          buffer.get(),
-          int(depth),
-          0.0f,
-          op + n0,
-          int(cols));
+          mlxgw_gated_mul(args[0].out, args[1].out, gated, n, act, threads, generic),
+          "gated_mul");
     }
   });
 }
@@ -257,20 +468,89 @@ void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::ar
 
 bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const QuantizedMatmul&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_ && threads_ == o.threads_ &&
+  return products_ == o.products_ && activation_ == o.activation_ && threads_ == o.threads_ &&
       generic_ == o.generic_ && small_rows_ == o.small_rows_ && x_bits_ == o.x_bits_;
 }
 
 std::vector<mx::Shape> QuantizedMatmul::output_shapes(const std::vector<mx::array>& inputs) {
-  mx::Shape shape = inputs[0].shape();
-  shape.back() = inputs[1].shape(0);
-  return {shape};
+  std::vector<mx::Shape> shapes;
+  size_t at = 1;
+  for (auto& p : products_) {
+    shapes.push_back(product_shape(inputs[0], inputs[at]));
+    at += p.has_bias ? 4 : 3;
+  }
+  if (activation_ >= 0) {
+    shapes.resize(1);
+  }
+  return shapes;
+}
+
+void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto s = stream();
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  auto q = unit_last_stride(inputs[0], s);
+  auto k = unit_last_stride(inputs[1], s);
+  auto v = unit_last_stride(inputs[2], s);
+  for (auto* a : {&q, &k, &v}) {
+    encoder.set_input_array(*a);
+  }
+  const int32_t* starts = nullptr;
+  if (inputs.size() > 3) {
+    auto st = row_contiguous(inputs[3], s);
+    encoder.set_input_array(st);
+    starts = st.data<int32_t>();
+  }
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  encoder.set_output_array(out);
+  AttnArgs a{};
+  a.q = q.data<float>();
+  a.k = k.data<float>();
+  a.v = v.data<float>();
+  a.out = out.data<float>();
+  for (int i = 0; i < 3; i++) {
+    a.q_strides[i] = q.strides()[i];
+    a.k_strides[i] = k.strides()[i];
+    a.v_strides[i] = v.strides()[i];
+  }
+  // out is (B, L, Hq, D): strides for (b, head, row)
+  int64_t heads = q.shape(1), length = q.shape(2), dim = q.shape(3);
+  a.o_strides[0] = length * heads * dim;
+  a.o_strides[1] = dim;
+  a.o_strides[2] = heads * dim;
+  a.batch = q.shape(0);
+  a.q_heads = int32_t(heads);
+  a.kv_heads = k.shape(1);
+  a.length = int32_t(length);
+  a.keys = k.shape(2);
+  a.dim = int32_t(dim);
+  a.scale = scale_;
+  a.causal = causal_;
+  a.threads = threads_;
+  a.generic = generic_;
+  a.starts = starts;
+  encoder.dispatch([a]() { check_status(mlxgw_attention(&a), "attention"); });
+}
+
+void Attention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[mlxgw.attention] runs on the CPU only");
+}
+
+bool Attention::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const Attention&>(other);
+  return scale_ == o.scale_ && causal_ == o.causal_ && threads_ == o.threads_ &&
+      generic_ == o.generic_;
+}
+
+std::vector<mx::Shape> Attention::output_shapes(const std::vector<mx::array>& inputs) {
+  auto& q = inputs[0];
+  return {mx::Shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)}};
 }
 
 void Dequantize::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& w = inputs[0];
-  auto& scales = inputs[1];
-  auto& biases = inputs[2];
+  auto w = row_contiguous(inputs[0], stream());
+  auto scales = row_contiguous(inputs[1], stream());
+  auto biases = row_contiguous(inputs[2], stream());
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -307,6 +587,118 @@ bool Dequantize::is_equivalent(const mx::Primitive& other) const {
 
 std::vector<mx::Shape> Dequantize::output_shapes(const std::vector<mx::array>& inputs) {
   return {mx::Shape{inputs[0].shape(0), int(inputs[0].shape(1) * 32 / bits_)}};
+}
+
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, bool unit_offset) {
+  if (x.ndim() < 1 || w.ndim() != 1 || w.shape(0) != x.shape(-1)) {
+    std::ostringstream msg;
+    msg << "[mlxgw.rms_norm] w must be (D,) for x (..., D); got x " << x.shape() << ", w "
+        << w.shape();
+    throw std::invalid_argument(msg.str());
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  return mx::array(
+      x.shape(),
+      mx::float32,
+      std::make_shared<RmsNorm>(stream, eps, unit_offset),
+      {mx::astype(x, mx::float32, stream), mx::astype(w, mx::float32, stream)});
+}
+
+mx::array rope(
+    const mx::array& x,
+    const mx::array& inv_freq,
+    const mx::array& offsets,
+    int dims,
+    float scale,
+    float mscale) {
+  bool ok = x.ndim() == 4 && dims > 0 && dims % 2 == 0 && dims <= x.shape(3) && dims <= 1024 &&
+      inv_freq.ndim() == 1 && inv_freq.shape(0) == dims / 2 && offsets.ndim() == 1 &&
+      (offsets.shape(0) == 1 || offsets.shape(0) == x.shape(0));
+  if (!ok) {
+    std::ostringstream msg;
+    msg << "[mlxgw.rope] x (B, H, L, D), an even dims <= min(D, 1024), inv_freq (dims / 2,), "
+           "offsets (1,) or (B,); got x "
+        << x.shape() << ", dims " << dims << ", inv_freq " << inv_freq.shape() << ", offsets "
+        << offsets.shape();
+    throw std::invalid_argument(msg.str());
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  return mx::array(
+      x.shape(),
+      mx::float32,
+      std::make_shared<Rope>(stream, dims, scale, mscale),
+      {mx::astype(x, mx::float32, stream),
+       mx::astype(inv_freq, mx::float32, stream),
+       mx::astype(offsets, mx::int32, stream)});
+}
+
+void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto s = stream();
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  auto x = row_contiguous(inputs[0], s);
+  auto w = row_contiguous(inputs[1], s);
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  encoder.set_input_array(x);
+  encoder.set_input_array(w);
+  encoder.set_output_array(out);
+  int64_t dim = x.shape(-1);
+  encoder.dispatch([xp = x.data<float>(),
+                    wp = w.data<float>(),
+                    op = out.data<float>(),
+                    rows = dim ? int64_t(x.size()) / dim : 0,
+                    dim,
+                    eps = eps_,
+                    unit = int(unit_offset_)]() { mlxgw_rms_norm(xp, wp, op, rows, dim, eps, unit); });
+}
+
+void RmsNorm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[mlxgw.rms_norm] runs on the CPU only");
+}
+
+bool RmsNorm::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const RmsNorm&>(other);
+  return eps_ == o.eps_ && unit_offset_ == o.unit_offset_;
+}
+
+void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto s = stream();
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  auto x = unit_last_stride(inputs[0], s);
+  auto freq = row_contiguous(inputs[1], s);
+  auto offsets = row_contiguous(inputs[2], s);
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  for (auto* a : {&x, &freq, &offsets}) {
+    encoder.set_input_array(*a);
+  }
+  encoder.set_output_array(out);
+  std::array<int64_t, 3> strides{x.strides()[0], x.strides()[1], x.strides()[2]};
+  encoder.dispatch([xp = x.data<float>(),
+                    strides,
+                    op = out.data<float>(),
+                    shape = x.shape(),
+                    dims = dims_,
+                    fp = freq.data<float>(),
+                    offp = offsets.data<int32_t>(),
+                    per_row = int(offsets.shape(0) > 1),
+                    scale = scale_,
+                    mscale = mscale_]() {
+    check_status(
+        mlxgw_rope(
+            xp, strides.data(), op, shape[0], shape[1], shape[2], shape[3], dims, fp, offp,
+            per_row, scale, mscale),
+        "rope");
+  });
+}
+
+void Rope::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[mlxgw.rope] runs on the CPU only");
+}
+
+bool Rope::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const Rope&>(other);
+  return dims_ == o.dims_ && scale_ == o.scale_ && mscale_ == o.mscale_;
 }
 
 } // namespace mlxgw

@@ -2,6 +2,10 @@
 // graph (mx.async_eval pipelining; no evaluation per layer as a ctypes call needs).
 #pragma once
 
+#include <optional>
+#include <string>
+#include <vector>
+
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 
@@ -37,19 +41,118 @@ mx::array dequantize(
     int threads,
     bool generic);
 
+// Several products of one x (a layer's q, k and v; a gated MLP's gate and up) as one
+// primitive: one pass over the threads, x rounded once. `bias` (per weight; an empty
+// optional for none) is added to every row. With `activation` "silu" or "gelu_tanh" and
+// two weights, the one output is act(x @ W0.T + bias0) * (x @ W1.T + bias1).
+std::vector<mx::array> quantized_matmuls(
+    const mx::array& x,
+    const std::vector<mx::array>& w,
+    const std::vector<mx::array>& scales,
+    const std::vector<mx::array>& biases,
+    const std::vector<std::optional<mx::array>>& bias,
+    const std::vector<int>& group_size,
+    const std::vector<int>& bits,
+    const std::string& activation,
+    int threads,
+    bool generic,
+    int small_rows,
+    int x_bits);
+
+// Attention of (B, Hq, L, D) queries over (B, Hkv, K, D) keys and values (any strides;
+// the queries are the last L of the K positions), float32, as runtime/kernels/kernels.c's
+// mlxgw_attention: causal or not, `starts` (B) int32 each row's first key (left padding).
+// Out: (B, L, Hq, D).
+mx::array attention(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    const std::optional<mx::array>& starts,
+    float scale,
+    bool causal,
+    int threads,
+    bool generic);
+
+// RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * (w + unit_offset), float32.
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, bool unit_offset);
+
+// Rotary embedding of (B, H, L, D) x as mx.fast.rope's non-traditional pairing: the first
+// `dims` of D rotate by (offset + l) * scale * inv_freq (dims / 2 of them), `offsets`
+// one int32 or one per batch row; everything is scaled by mscale. Float32 (B, H, L, D).
+mx::array rope(
+    const mx::array& x,
+    const mx::array& inv_freq,
+    const mx::array& offsets,
+    int dims,
+    float scale,
+    float mscale);
+
+// One-pass row kernels (runtime/kernels/rows.c) as primitives.
+class RmsNorm : public mx::Primitive {
+ public:
+  RmsNorm(mx::Stream stream, float eps, bool unit_offset)
+      : mx::Primitive(stream), eps_(eps), unit_offset_(unit_offset) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  const char* name() const override {
+    return "MlxgwRmsNorm";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float eps_;
+  bool unit_offset_;
+};
+
+class Rope : public mx::Primitive {
+ public:
+  Rope(mx::Stream stream, int dims, float scale, float mscale)
+      : mx::Primitive(stream), dims_(dims), scale_(scale), mscale_(mscale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  const char* name() const override {
+    return "MlxgwRope";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  int dims_;
+  float scale_, mscale_;
+};
+
+struct Product {
+  int group_size, bits;
+  bool has_bias;
+  bool operator==(const Product& o) const {
+    return group_size == o.group_size && bits == o.bits && has_bias == o.has_bias;
+  }
+};
+
+// inputs: x, then (w, scales, biases[, bias]) per product; outputs: one per product, or
+// one for a gated pair
 class QuantizedMatmul : public mx::Primitive {
  public:
   QuantizedMatmul(
       mx::Stream stream,
-      int group_size,
-      int bits,
+      std::vector<Product> products,
+      int activation,
       int threads,
       bool generic,
       int small_rows,
       int x_bits)
       : mx::Primitive(stream),
-        group_size_(group_size),
-        bits_(bits),
+        products_(std::move(products)),
+        activation_(activation),
         threads_(threads),
         generic_(generic),
         small_rows_(small_rows),
@@ -66,10 +169,38 @@ class QuantizedMatmul : public mx::Primitive {
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 
  private:
-  int group_size_, bits_, threads_;
+  std::vector<Product> products_;
+  int activation_; // -1 none, else kernels.h's GATE_*
+  int threads_;
   bool generic_;
   int small_rows_;
   int x_bits_;
+};
+
+class Attention : public mx::Primitive {
+ public:
+  Attention(mx::Stream stream, float scale, bool causal, int threads, bool generic)
+      : mx::Primitive(stream),
+        scale_(scale),
+        causal_(causal),
+        threads_(threads),
+        generic_(generic) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  const char* name() const override {
+    return "MlxgwAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  float scale_;
+  bool causal_;
+  int threads_;
+  bool generic_;
 };
 
 class Dequantize : public mx::Primitive {

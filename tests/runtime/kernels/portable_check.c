@@ -11,22 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "quantized.h"
 
-typedef struct { /* kernels.c AttnArgs */
-    const float *q, *k, *v;
-    float *out;
-    int64_t q_strides[3], k_strides[3], v_strides[3], o_strides[3];
-    int32_t batch, q_heads, kv_heads, length, keys, dim;
-    float scale;
-    int32_t causal, threads, generic;
-} AttnArgs;
-
-int mlxgw_attention(const AttnArgs *a);
-int mlxgw_gated_mul(const float *g, const float *u, float *out, int64_t n, int32_t kind,
-                    int32_t threads, int32_t generic);
-int mlxgw_small_gemm(const float *x, const float *w, float *out, int64_t rows, int64_t cols,
-                     int64_t depth, int32_t threads, int32_t generic);
 static int passed, failed;
 static uint64_t rng_state = 88172645463325252ull;
 
@@ -145,7 +132,7 @@ static void attention_case(int causal, int length, int keys, int dim, int thread
                   {(int64_t)hkv * keys * dim, (int64_t)keys * dim, dim},
                   {(int64_t)hq * length * dim, (int64_t)length * dim, dim},
                   batch, hq, hkv, length, keys, dim, 1.0f / sqrtf((float)dim), causal,
-                  threads, 1};
+                  threads, 1, NULL};
     int status = mlxgw_attention(&a);
     double worst = 0, *p = malloc((size_t)keys * sizeof(double));
     for (int h = 0; h < hq; h++)
