@@ -202,6 +202,17 @@ def _sentencepiece_pieces(tokenizer: Tokenizer, spec: _SentencePieceSpec) -> tup
     return tuple(pieces)
 
 
+# the bytes that may follow each UTF-8 lead byte as its second (RFC 3629: no overlong
+# forms, no surrogates, nothing above U+10FFFF)
+_SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
+def _may_continue(held: bytes) -> bool:
+    """Whether held bytes (a lead byte and continuations) can still become a character."""
+    low, high = _SECOND_BYTE.get(held[0], (0x80, 0xBF))
+    return low <= held[1] <= high
+
+
 class StreamingDetokenizer:
     """One request's detokenizer: ``add`` returns newly completed text, ``flush`` the rest."""
 
@@ -229,7 +240,15 @@ class StreamingDetokenizer:
         if table.kind is DecoderKind.BYTE_LEVEL:
             if not 0 <= token_id < len(table.byte_pieces):
                 return ""  # decode ignores unknown ids (e.g. padded model vocab)
-            return self._utf8.decode(table.byte_pieces[token_id])
+            text = self._utf8.decode(table.byte_pieces[token_id])
+            held = self._utf8.getstate()[0]
+            if len(held) >= 2 and not _may_continue(held):
+                # CPython's incremental decoder holds a lead byte and a continuation it
+                # cannot follow (e.g. ED A1, a surrogate) until the end; decode says
+                # U+FFFD for each byte at once, and so do we
+                text += self._utf8.decode(b"", final=True)
+                self._utf8.reset()
+            return text
         if table.kind is DecoderKind.SENTENCEPIECE:
             if not 0 <= token_id < len(table.sp_pieces):
                 return ""

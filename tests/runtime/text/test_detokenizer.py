@@ -174,6 +174,12 @@ def test_qwen3_random_ids(qwen3: Case, data: st.DataObject) -> None:
     _check_prefixes(qwen3, ids, max_remainder=1)
 
 
+def test_a_lead_byte_and_a_continuation_it_cannot_take_are_not_held(qwen3: Case) -> None:
+    """ED A1 would be a surrogate: decode says U+FFFD U+FFFD at once (hypothesis found it)."""
+    assert _stream(qwen3.table, [169, 94]) == ["", "\ufffd\ufffd", ""]
+    _check_prefixes(qwen3, [169, 94], max_remainder=1)
+
+
 @given(data=st.data())
 @SETTINGS
 def test_llama3_random_ids(llama3: Case, data: st.DataObject) -> None:
