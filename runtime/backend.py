@@ -164,3 +164,17 @@ def release_thread_streams() -> None:
             step()
         except Exception as exc:  # a thread ending on an error still ends
             log.debug("releasing this thread's MLX streams: %s", exc)
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; elsewhere
+    nothing). Loading a quantized model frees several hundred MB of transient buffers in
+    pieces below glibc's mmap threshold, which stay resident otherwise (Qwen2.5-0.5B's
+    GGUF: 1.04 GB resident after load, 0.63 GB after the trim, for 0.54 GB of weights)."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)

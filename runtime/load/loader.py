@@ -65,6 +65,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from runtime.backend import trim_heap
 from runtime.load import fp8
 from runtime.load.gguf.loader import check_float_gguf, load_gguf
 from runtime.load.gguf.reader import GGUFFile
@@ -127,6 +128,7 @@ def load(
         raise ValueError(f"{path}: expected a model folder or a .gguf file")
     else:
         raise FileNotFoundError(f"model source {path} does not exist")
+    trim_heap()
     seconds = time.perf_counter() - started
     log.info(
         "loaded %s in %.1f s (%s, weights %s)", path, seconds, loaded.dtype, loaded.weight_format
