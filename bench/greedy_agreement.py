@@ -27,10 +27,11 @@ backend.configure()
 
 import mlx.core as mx  # noqa: E402
 
+from gateway.core.models.build import model_controls  # noqa: E402
 from runtime.kernels import primitives  # noqa: E402
 from runtime.load import load  # noqa: E402
 from runtime.load.loaded import LoadedModel  # noqa: E402
-from templates import renderer_for  # noqa: E402
+from templates import render_prompt, renderer_for  # noqa: E402
 from templates.types import Message, RenderOptions  # noqa: E402
 
 MODELS = {
@@ -54,7 +55,11 @@ def _prompt(loaded: LoadedModel, text: str) -> list[int]:
         loaded.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token,
         model_type=str(loaded.config.get("model_type")),
     )  # fmt: skip
-    return tok.encode_prompt(renderer.render((Message("user", text),), (), RenderOptions()))
+    # as the server renders and tokenizes a request (content spans read as text)
+    rendered = render_prompt(
+        renderer, (Message("user", text),), (), RenderOptions(), model_controls(loaded)
+    )
+    return tok.encode_prompt(rendered.text, content=rendered.content)
 
 
 def _greedy(loaded: LoadedModel, ids: list[int], n: int) -> list[int]:

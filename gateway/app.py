@@ -18,9 +18,11 @@ from starlette.routing import Route
 from gateway import admin, anthropic, openai
 from gateway.admin import MetricsMiddleware
 from gateway.core.auth import ApiKeyMiddleware
-from gateway.core.errors import APIError, InternalError
+from gateway.core.errors import APIError, internal_error
+from gateway.core.exposure import ExposureMiddleware
 from gateway.core.metrics import Metrics
 from gateway.core.models import ModelRegistry, ServedModel
+from gateway.core.preparing import Preparing
 from gateway.core.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -58,14 +60,15 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
-    err = InternalError(f"internal error: {type(exc).__name__}: {exc}")
+    # the exception's text stays in the log: the client gets the request id to quote
+    err = internal_error(log, f"unhandled error on {request.method} {request.url.path}", exc=exc)
     return _error_response(err, request.url.path)
 
 
 def _middleware(settings: ServerSettings, metrics: Metrics) -> list[Middleware]:
     # outermost first: CORS answers preflights and decorates every answer (401s too),
-    # metrics count every request, then the key is checked
+    # metrics count every request, the Host, body type and local-only pages are checked
+    # (gateway/core/exposure.py), then the key
     stack = []
     if settings.cors_origins:
         stack.append(
@@ -78,6 +81,7 @@ def _middleware(settings: ServerSettings, metrics: Metrics) -> list[Middleware]:
             )
         )
     stack.append(Middleware(MetricsMiddleware, metrics=metrics))
+    stack.append(Middleware(ExposureMiddleware, settings=settings))
     if settings.api_key is not None:
         stack.append(Middleware(ApiKeyMiddleware, api_key=settings.api_key))
     return stack
@@ -127,4 +131,5 @@ def create_app(
     )
     app.state.settings = settings
     app.state.metrics = metrics
+    app.state.preparing = Preparing(settings.max_preparing, settings.retry_after_seconds)
     return app

@@ -1,5 +1,12 @@
 """Messages + tools -> prompt text: HF chat templates in a sandbox, plus built-in renderers."""
 
+from templates.content import (
+    FORMAT_MARKUP,
+    ControlStrings,
+    control_strings,
+    render_prompt,
+    splice,
+)
 from templates.deepseek import DeepSeekV3Renderer, DeepSeekV31Renderer
 from templates.gemma3 import Gemma3Renderer
 from templates.glm47 import Glm47Renderer
@@ -22,6 +29,7 @@ from templates.types import (
     ContentPart,
     ImagePart,
     Message,
+    Rendered,
     Renderer,
     RenderOptions,
     TemplateError,
@@ -31,8 +39,10 @@ from templates.types import (
 )
 
 __all__ = [
+    "FORMAT_MARKUP",
     "TURN_OPENERS",
     "ContentPart",
+    "ControlStrings",
     "DeepSeekV3Renderer",
     "DeepSeekV31Renderer",
     "Gemma3Renderer",
@@ -49,6 +59,7 @@ __all__ = [
     "Qwen35Renderer",
     "RenderLimits",
     "RenderOptions",
+    "Rendered",
     "Renderer",
     "TemplateError",
     "TextPart",
@@ -58,5 +69,8 @@ __all__ = [
     "builtin_family_for",
     "builtin_model_types",
     "builtin_renderer",
+    "control_strings",
+    "render_prompt",
     "renderer_for",
+    "splice",
 ]

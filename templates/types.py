@@ -74,6 +74,16 @@ class RenderOptions:
     extra: Mapping[str, Any] = field(default_factory=_empty_mapping)
 
 
+@dataclass(frozen=True)
+class Rendered:
+    """A rendered prompt: its text, and the character spans [start, end) of it where a
+    control-token string from message content landed; the tokenizer reads those as
+    plain text, so only the template's own markup becomes control tokens."""
+
+    text: str
+    content: tuple[tuple[int, int], ...] = ()
+
+
 class Renderer(Protocol):
     """Messages + tools -> prompt text. A pure function of its arguments."""
 

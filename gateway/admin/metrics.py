@@ -22,10 +22,20 @@ if TYPE_CHECKING:
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+# the label values a client cannot choose: any other method is "other", and a request
+# that matched no route ("unmatched": a random URL, or refused before routing, without
+# its key for one) shares one route label, so no request adds series without bound
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def _method(scope: Scope) -> str:
+    method = scope["method"]
+    return method if method in METHODS else "other"
+
+
 def _route(scope: Scope) -> str:
     route = scope.get("route")
     path = getattr(route, "path", None)
-    # unmatched paths share one label, so random URLs cannot grow the series without bound
     return path if isinstance(path, str) else "unmatched"
 
 
@@ -52,7 +62,7 @@ class MetricsMiddleware:
             await self.app(scope, receive, watch)
         finally:
             metrics.in_flight.dec()
-            metrics.request_done(scope["method"], _route(scope), status)
+            metrics.request_done(_method(scope), _route(scope), status)
 
 
 async def metrics_endpoint(request: Request) -> Response:

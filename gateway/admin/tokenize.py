@@ -5,20 +5,20 @@ from __future__ import annotations
 
 from functools import partial
 
-from anyio import to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.core.errors import InvalidRequest, Unprocessable
 from gateway.core.http import read_json, validate
-from gateway.core.images import expand_markers, image_sources, read_images, require_vision
+from gateway.core.images import expand_rendered, image_sources, read_images, require_vision
 from gateway.core.models import ServedModel
 from gateway.core.plan import render_options
+from gateway.core.preparing import prepare_off_loop
 from gateway.core.with_model import with_model
 from gateway.openai import adapt as adapters
 from gateway.openai.wire import DetokenizeRequest, TokenizeRequest
-from templates import TemplateError
+from templates import TemplateError, render_prompt
 
 
 def _chat_tokens(served: ServedModel, req: TokenizeRequest) -> list[int]:
@@ -34,7 +34,7 @@ def _chat_tokens(served: ServedModel, req: TokenizeRequest) -> list[int]:
         req.chat_template_kwargs, None, add_generation_prompt=req.add_generation_prompt
     )
     try:
-        text = served.renderer.render(messages, tools.tools, options)
+        rendered = render_prompt(served.renderer, messages, tools.tools, options, served.controls)
     except TemplateError as exc:
         raise Unprocessable(
             f"The model's chat template rejected these messages: {exc}", param="messages"
@@ -48,8 +48,8 @@ def _chat_tokens(served: ServedModel, req: TokenizeRequest) -> list[int]:
         if spec.preprocessing.grid is not None:
             read = read_images(spec, sources, served.image_policy, "messages")
             lengths = [spec.tokens(image.shape) for image in read]
-        text = expand_markers(text, spec, len(sources), "messages", lengths)
-    return served.loaded.tokenizer.encode_prompt(text)
+        rendered = expand_rendered(rendered, spec, len(sources), "messages", lengths)
+    return served.loaded.tokenizer.encode_prompt(rendered.text, content=rendered.content)
 
 
 def _tokens(served: ServedModel, req: TokenizeRequest) -> list[int]:
@@ -65,11 +65,11 @@ def _tokens(served: ServedModel, req: TokenizeRequest) -> list[int]:
 
 async def tokenize(request: Request) -> Response:
     req = validate(TokenizeRequest, await read_json(request))
-    return await with_model(request, req.model, partial(_tokenize, req))
+    return await with_model(request, req.model, partial(_tokenize, request, req))
 
 
-async def _tokenize(req: TokenizeRequest, served: ServedModel) -> Response:
-    tokens = await to_thread.run_sync(_tokens, served, req)
+async def _tokenize(request: Request, req: TokenizeRequest, served: ServedModel) -> Response:
+    tokens = await prepare_off_loop(request, partial(_tokens, served, req))
     return JSONResponse(
         {"tokens": tokens, "count": len(tokens), "max_model_len": served.context_length}
     )

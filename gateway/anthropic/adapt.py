@@ -19,6 +19,7 @@ from gateway.anthropic import wire
 from gateway.anthropic.emit import thinking_from_signature
 from gateway.anthropic.tools import tools_of
 from gateway.core.errors import InvalidRequest
+from gateway.core.limits import MAX_MESSAGES, check_count
 from gateway.core.plan import (
     CachePin,
     ChatPlan,
@@ -414,6 +415,7 @@ def prompt_plan(
 ) -> ChatPlan:
     """The plan of the prompt alone (count_tokens): no output limit, no stream."""
     _refuse_unsupported(req)
+    check_count(req.messages, MAX_MESSAGES, param="messages", what="messages")
     enable, effort = render_switches(req)
     return ChatPlan(
         messages=to_messages(req),

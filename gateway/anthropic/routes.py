@@ -16,7 +16,6 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from anyio import to_thread
 from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -35,10 +34,11 @@ from gateway.core.generation import (
     submit,
     until_disconnect,
 )
-from gateway.core.http import read_json, server_settings, validate
+from gateway.core.http import read_model, server_settings
 from gateway.core.models import ServedModel
 from gateway.core.plan import ChatPlan
 from gateway.core.prepare import Prepared, check_chat, new_parser, prepare
+from gateway.core.preparing import prepare_off_loop
 from gateway.core.reply import Reply, parsed
 from gateway.core.with_model import with_model
 
@@ -86,7 +86,7 @@ def _log_headers(request: Request) -> None:
 
 
 async def messages(request: Request) -> Response:
-    req = validate(MessagesRequest, await read_json(request))
+    req = await read_model(request, MessagesRequest)
     _log_headers(request)
     return await with_model(
         request,
@@ -105,7 +105,7 @@ async def _answer(request: Request, req: MessagesRequest, served: ServedModel) -
         req, tools_supported=served.caps.tools, defaults=served.sampling_defaults
     )
     # rendering and tokenizing a long conversation takes a while: keep it off the event loop
-    prep = await to_thread.run_sync(prepare_messages, served, plan)
+    prep = await prepare_off_loop(request, partial(prepare_messages, served, plan))
     check_prompt_fits(served, len(prep.tokens))
     max_tokens = budget(served, settings, len(prep.tokens), plan.max_tokens)
     parser = new_parser(prep, plan)
@@ -160,16 +160,16 @@ async def _collect(
 
 
 async def count_tokens(request: Request) -> Response:
-    req = validate(CountTokensRequest, await read_json(request))
-    return await with_model(request, req.model, partial(_count, req))
+    req = await read_model(request, CountTokensRequest)
+    return await with_model(request, req.model, partial(_count, request, req))
 
 
-async def _count(req: CountTokensRequest, served: ServedModel) -> Response:
+async def _count(request: Request, req: CountTokensRequest, served: ServedModel) -> Response:
     check_chat(served)
     plan = adapt.prompt_plan(
         req, tools_supported=served.caps.tools, defaults=served.sampling_defaults
     )
-    prep = await to_thread.run_sync(prepare_messages, served, plan)
+    prep = await prepare_off_loop(request, partial(prepare_messages, served, plan))
     return JSONResponse({"input_tokens": len(prep.tokens)})
 
 

@@ -20,7 +20,13 @@ from gateway.cli.common import (
 )
 from gateway.cli.errors import CliError
 from gateway.cli.launch import add_launch_parser
-from gateway.core.settings import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS
+from gateway.core.settings import (
+    API_KEY_ENV,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_PREPARING,
+    DEFAULT_MAX_TOKENS,
+)
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MODEL_HELP = "alias, path, or Hugging Face repo id: org/name[@revision][:file.gguf]"
@@ -216,6 +222,34 @@ def _server_args(p: argparse.ArgumentParser) -> None:
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
         help=f"require this key on every route but /health (also ${API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        default=env("ALLOW_UNAUTHENTICATED", "").lower() in ("1", "true", "yes", "on"),
+        help="serve on a --host other than loopback without --api-key (default: refused, "
+        "since anyone who can reach the address could use the model)",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        default=env("ALLOWED_HOSTS", ""),
+        help="comma-separated Host names to answer besides localhost, 127.0.0.1, [::1] and "
+        "--host: a proxy's or a tunnel's ('*' = any; default none: a web page cannot reach "
+        "the server by DNS rebinding)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=env_int("MAX_CONNECTIONS", DEFAULT_MAX_CONNECTIONS),
+        help="open connections served at once; a request on one more gets a 503 with "
+        f"Retry-After (default {DEFAULT_MAX_CONNECTIONS}; 0 = no bound)",
+    )
+    p.add_argument(
+        "--max-preparing",
+        type=int,
+        default=env_int("MAX_PREPARING", DEFAULT_MAX_PREPARING),
+        help="requests being rendered, tokenized or having images fetched at once, before "
+        f"the engine's queue; more get a 429 with Retry-After (default {DEFAULT_MAX_PREPARING})",
     )
     p.add_argument(
         "--cors-origins",

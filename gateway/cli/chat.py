@@ -10,7 +10,7 @@ from gateway.cli.common import engine_settings, resolve
 from gateway.core.models import ServedModel, build_served
 from gateway.core.settings import EngineSettings
 from runtime.types import Finished, GenerationRequest, SamplingParams, TextDelta
-from templates.types import Message, RenderOptions
+from templates import Message, RenderOptions, render_prompt
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,8 +23,8 @@ def run(args: argparse.Namespace) -> int:
 def _answer(served: ServedModel, history: list[Message], args: argparse.Namespace) -> str:
     if not served.caps.chat:
         raise SystemExit(f"error: {served.id} has no chat template; use the HTTP completions API")
-    text = served.renderer.render(tuple(history), (), RenderOptions())
-    tokens = served.loaded.tokenizer.encode_prompt(text)
+    rendered = render_prompt(served.renderer, tuple(history), (), RenderOptions(), served.controls)
+    tokens = served.loaded.tokenizer.encode_prompt(rendered.text, content=rendered.content)
     max_tokens = served.check_fits(len(tokens), None)
     request = GenerationRequest(
         tuple(tokens),

@@ -12,6 +12,7 @@ from pathlib import Path
 import templates
 from gateway.cli.errors import CliError
 from gateway.cli.store.store import Store
+from gateway.core.exposure import is_loopback as is_loopback  # the commands use it from here
 from gateway.core.settings import API_KEY_ENV, QUANTIZE_CHOICES, QUANTIZE_GROUPS, EngineSettings
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -109,14 +110,22 @@ def connectable_host(host: str) -> str:
     return f"[{ip}]" if ip.version == 6 else str(ip)
 
 
-def is_loopback(host: str) -> bool:
-    ip = _ip(host)
-    return host == "localhost" if ip is None else ip.is_loopback
-
-
 def client_url(host: str, port: int) -> str:
     """The base URL to print for clients: always one they can connect to."""
     return f"http://{connectable_host(host)}:{port}/v1"
+
+
+def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
+    """A bind beyond loopback without a key serves everyone who can reach the address:
+    refused unless --allow-unauthenticated says so."""
+    if api_key is not None or allow_unauthenticated or is_loopback(host):
+        return
+    raise CliError(
+        f"refusing to listen on {host} without an API key: anyone who can reach this "
+        f"machine could use the model. Set --api-key (or ${API_KEY_ENV}), listen on "
+        "127.0.0.1, or pass --allow-unauthenticated (or "
+        "$MLX_GATEWAY_ALLOW_UNAUTHENTICATED=1) to serve everyone."
+    )
 
 
 def bind_warning(host: str, api_key: str | None) -> str | None:

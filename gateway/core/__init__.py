@@ -8,6 +8,7 @@ nothing of ours: every `import gateway.core.<module>` runs this file first."""
 from gateway.core.errors import (
     APIError,
     EngineFailed,
+    Forbidden,
     InternalError,
     InvalidRequest,
     NotFound,
@@ -17,12 +18,14 @@ from gateway.core.errors import (
     RequestTimeout,
     Unauthorized,
     Unprocessable,
+    UnsupportedMediaType,
 )
 from gateway.core.settings import ServerSettings
 
 __all__ = [
     "APIError",
     "EngineFailed",
+    "Forbidden",
     "InternalError",
     "InvalidRequest",
     "NotFound",
@@ -33,4 +36,5 @@ __all__ = [
     "ServerSettings",
     "Unauthorized",
     "Unprocessable",
+    "UnsupportedMediaType",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import secrets
 from typing import Any
 
 _ANTHROPIC_TYPES = {
@@ -76,6 +78,14 @@ class Unauthorized(APIError):
     type = "authentication_error"
 
 
+class Forbidden(APIError):
+    """Not for this client: a Host this server does not answer to, or a local-only page
+    asked from another machine."""
+
+    status = 403
+    type = "permission_error"
+
+
 class NotFound(APIError):
     status = 404
     type = "not_found_error"
@@ -90,6 +100,13 @@ class RequestTimeout(APIError):
 
 class PayloadTooLarge(APIError):
     status = 413
+    type = "invalid_request_error"
+
+
+class UnsupportedMediaType(APIError):
+    """A body type a browser may send cross-site without asking (a form, text/plain)."""
+
+    status = 415
     type = "invalid_request_error"
 
 
@@ -125,3 +142,17 @@ class EngineFailed(Overloaded):
 class InternalError(APIError):
     status = 500
     type = "server_error"
+
+
+def internal_error(
+    log: logging.Logger, what: str, *, code: str | None = None, exc: BaseException | None = None
+) -> InternalError:
+    """A 500 that names a request id instead of the failure: what failed (and the
+    traceback of `exc`) goes to the server's log with the same id."""
+    request_id = "req_" + secrets.token_hex(8)
+    log.error("%s [request id %s]", what, request_id, exc_info=exc)
+    return InternalError(
+        f"internal error (request id {request_id}); the server's log has the details",
+        code=code,
+        headers={"x-request-id": request_id},
+    )

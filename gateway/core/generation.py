@@ -25,10 +25,10 @@ from starlette.types import Message
 from gateway.core.errors import (
     APIError,
     EngineFailed,
-    InternalError,
     InvalidRequest,
     Overloaded,
     RateLimited,
+    internal_error,
 )
 from gateway.core.metrics import Metrics
 from gateway.core.models import ServedModel
@@ -223,8 +223,7 @@ def failure(done: Finished) -> APIError | None:
         log.warning("generation ended by an engine failure: %s", done.error)
         return EngineFailed(f"Generation failed: {done.error}; retry shortly.")
     if done.reason is FinishReason.ERROR:
-        log.error("generation failed: %s", done.error)
-        return InternalError(f"Generation failed: {done.error}", code="generation_failed")
+        return internal_error(log, f"generation failed: {done.error}", code="generation_failed")
     if done.reason is FinishReason.CANCELLED and done.error:
         return Overloaded(
             f"Generation stopped: {done.error}; retry shortly.", headers={"Retry-After": "5"}
@@ -283,8 +282,8 @@ async def errors_as_events(
         for item in on_error(exc):
             yield item
     except Exception as exc:
-        log.exception("stream failed" if began else "stream failed before it began")
-        for item in on_error(InternalError(f"internal error: {type(exc).__name__}: {exc}")):
+        what = "stream failed" if began else "stream failed before it began"
+        for item in on_error(internal_error(log, what, exc=exc)):
             yield item
     finally:
         if isinstance(body, AsyncGenerator):

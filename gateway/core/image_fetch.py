@@ -4,16 +4,23 @@ Fetching refuses what a server should not reach on a client's behalf: schemes ot
 than http and https (redirect targets included), and hosts that resolve to anything but
 public addresses (loopback, private, link-local, ...) unless the policy allows them. The
 connection goes to the address that was checked, so a second DNS answer cannot swap it.
+
+One wall-clock deadline covers a fetch, redirects included: resolving, connecting, the
+TLS handshake, the headers and the body. A socket timeout bounds each read, not their
+sum (a server dripping a byte a second would hold the worker thread for days), so a
+timer shuts the connection down at the deadline and the blocked read returns at once.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import http.client
 import ipaddress
 import socket
 import ssl
+import threading
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
@@ -80,29 +87,90 @@ def read_data_url(url: str, room: int) -> bytes:
 # -- fetching -------------------------------------------------------------------------
 
 
+class Deadline:
+    """A fetch's one deadline. Resolving and connecting get the time left; a connection
+    it watches is shut down when it passes, which ends a blocked read or handshake."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+        self.expired = False
+        self._lock = threading.Lock()
+        self._watched: list[socket.socket] = []
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def error(self) -> ImageFetchError:
+        return ImageFetchError(
+            f"fetching it took longer than {self.seconds:g} s (resolving, connecting, "
+            "headers and body together)"
+        )
+
+    def left(self) -> float:
+        left = self.at - time.monotonic()
+        if left <= 0 or self.expired:
+            raise self.error()
+        return left
+
+    def watch(self, sock: socket.socket) -> None:
+        """Shut `sock`'s connection down at the deadline. A shutdown acts on the
+        connection whichever descriptor names it: a duplicate outlives the TLS wrap,
+        which detaches the original."""
+        dup = sock.dup()
+        with self._lock:
+            self._watched.append(dup)
+            late = self.expired
+        if late:
+            _shut(dup)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            watched = list(self._watched)
+        for sock in watched:
+            _shut(sock)
+
+    def close(self) -> None:
+        self._timer.cancel()
+        with self._lock:
+            watched, self._watched = self._watched, []
+        for sock in watched:
+            sock.close()
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # not connected, or closed already: nothing to end
+        sock.shutdown(socket.SHUT_RDWR)
+
+
 class _PinnedHTTP(http.client.HTTPConnection):
     """An HTTP connection to an already checked address (Host header still the name)."""
 
-    def __init__(self, host: str, port: int, address: str, timeout: float) -> None:
-        super().__init__(host, port, timeout=timeout)
+    def __init__(self, host: str, port: int, address: str, deadline: Deadline) -> None:
+        super().__init__(host, port, timeout=deadline.left())
         self._address = address
+        self._deadline = deadline
+
+    def _dial(self) -> socket.socket:
+        sock = socket.create_connection((self._address, self.port), self._deadline.left())
+        self._deadline.watch(sock)
+        return sock
 
     def connect(self) -> None:
-        self.sock = socket.create_connection((self._address, self.port), self.timeout)
+        self.sock = self._dial()
 
 
-class _PinnedHTTPS(http.client.HTTPSConnection):
+class _PinnedHTTPS(_PinnedHTTP, http.client.HTTPSConnection):
     """An HTTPS connection to an already checked address; the certificate is verified
     against the host name (SNI and hostname check)."""
 
-    def __init__(self, host: str, port: int, address: str, timeout: float) -> None:
-        super().__init__(host, port, timeout=timeout)
-        self._address = address
+    def __init__(self, host: str, port: int, address: str, deadline: Deadline) -> None:
+        super().__init__(host, port, address, deadline)
         self._tls = ssl.create_default_context()
 
     def connect(self) -> None:
-        sock = socket.create_connection((self._address, self.port), self.timeout)
-        self.sock = self._tls.wrap_socket(sock, server_hostname=self.host)
+        self.sock = self._tls.wrap_socket(self._dial(), server_hostname=self.host)
 
 
 # IPv6 ranges that carry an IPv4 address in their last 32 bits (NAT64, IPv4-compatible)
@@ -124,13 +192,33 @@ def _public(address: str) -> bool:
     return ip.is_global and not ip.is_multicast
 
 
-def _resolve(host: str, port: int, policy: ImagePolicy) -> str:
+def _lookup(host: str, port: int, deadline: Deadline) -> list[str]:
+    """The host's addresses. A resolver cannot be interrupted: it asks on a thread of
+    its own, left to finish (the resolver's own timeout ends it) if the deadline passes."""
+    found: list[str] = []
+    failed: list[BaseException] = []
+    done = threading.Event()
+
+    def ask() -> None:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            found.extend(str(info[4][0]) for info in infos)
+        except (OSError, UnicodeError) as exc:
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=ask, name="image-fetch-dns", daemon=True).start()
+    if not done.wait(deadline.left()):
+        raise deadline.error()
+    if failed:
+        raise ImageFetchError(f"the host {host!r} could not be resolved ({failed[0]})")
+    return found
+
+
+def _resolve(host: str, port: int, policy: ImagePolicy, deadline: Deadline) -> str:
     """The address to connect to: every address the name has must be allowed."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
-        raise ImageFetchError(f"the host {host!r} could not be resolved ({exc})") from None
-    addresses = [str(info[4][0]) for info in infos]
+    addresses = _lookup(host, port, deadline)
     if not addresses:
         raise ImageFetchError(f"the host {host!r} has no address")
     if not policy.allow_private and not all(_public(a) for a in addresses):
@@ -144,8 +232,19 @@ def _resolve(host: str, port: int, policy: ImagePolicy) -> str:
 
 def fetch(url: str, policy: ImagePolicy, room: int) -> bytes:
     """GET an image over http(s), following a few redirects (each target checked), at
-    most `room` bytes, within the policy's time."""
-    deadline = time.monotonic() + policy.fetch_timeout
+    most `room` bytes, within the policy's time (one deadline for all of it)."""
+    deadline = Deadline(policy.fetch_timeout)
+    try:
+        return _follow(url, policy, room, deadline)
+    except (OSError, http.client.HTTPException) as exc:
+        if deadline.expired:  # the watchdog ended the connection
+            raise deadline.error() from None
+        raise ImageFetchError(f"it could not be fetched ({type(exc).__name__}: {exc})") from None
+    finally:
+        deadline.close()
+
+
+def _follow(url: str, policy: ImagePolicy, room: int, deadline: Deadline) -> bytes:
     for _ in range(policy.max_redirects + 1):
         conn = _connect(url, policy, deadline)
         try:
@@ -159,16 +258,12 @@ def fetch(url: str, policy: ImagePolicy, room: int) -> bytes:
             if response.status != 200:
                 raise ImageFetchError(f"fetching it answered HTTP {response.status}")
             return _read_capped(response, room, deadline)
-        except (OSError, http.client.HTTPException) as exc:
-            raise ImageFetchError(
-                f"it could not be fetched ({type(exc).__name__}: {exc})"
-            ) from None
         finally:
             conn.close()
     raise ImageFetchError(f"fetching it took more than {policy.max_redirects} redirects")
 
 
-def _connect(url: str, policy: ImagePolicy, deadline: float) -> http.client.HTTPConnection:
+def _connect(url: str, policy: ImagePolicy, deadline: Deadline) -> http.client.HTTPConnection:
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -181,10 +276,9 @@ def _connect(url: str, policy: ImagePolicy, deadline: float) -> http.client.HTTP
     if not host:
         raise ImageFetchError("the image URL has no host")
     port = port or (443 if scheme == "https" else 80)
-    address = _resolve(host, port, policy)
-    timeout = max(0.1, deadline - time.monotonic())
+    address = _resolve(host, port, policy, deadline)
     pinned = _PinnedHTTPS if scheme == "https" else _PinnedHTTP
-    return pinned(host, port, address, timeout)
+    return pinned(host, port, address, deadline)
 
 
 def _get(conn: http.client.HTTPConnection, url: str) -> http.client.HTTPResponse:
@@ -195,7 +289,7 @@ def _get(conn: http.client.HTTPConnection, url: str) -> http.client.HTTPResponse
     return conn.getresponse()
 
 
-def _read_capped(response: http.client.HTTPResponse, room: int, deadline: float) -> bytes:
+def _read_capped(response: http.client.HTTPResponse, room: int, deadline: Deadline) -> bytes:
     length = response.getheader("Content-Length")
     if length is not None and length.isdigit() and int(length) > room:
         raise ImageTooLarge(f"the image is {length} bytes; at most {room} are accepted")
@@ -203,11 +297,11 @@ def _read_capped(response: http.client.HTTPResponse, room: int, deadline: float)
     total = 0
     while True:
         chunk = response.read(_READ)
+        if deadline.expired:  # a shut-down connection reads as its end: not the image's
+            raise deadline.error()
         if not chunk:
             return b"".join(chunks)
         total += len(chunk)
         if total > room:
             raise ImageTooLarge(f"the image is over {room} bytes, the most accepted")
-        if time.monotonic() > deadline:
-            raise ImageFetchError("fetching it took too long")
         chunks.append(chunk)

@@ -16,6 +16,7 @@ from runtime.vision import (
     VisionSpec,
     prepare_image,
 )
+from templates import Rendered, splice
 from templates.types import ImagePart, Message
 
 
@@ -48,14 +49,40 @@ def expand_markers(
     model's full placeholder (Gemma 3: a blank line, <start_of_image>, 256 image tokens,
     <end_of_image>, a blank line; Qwen: as many <|image_pad|> as the image has tokens).
     `lengths`: each image's tokens, needed where they depend on the image's size."""
+    return expand_rendered(Rendered(text), spec, count, param, lengths).text
+
+
+def expand_rendered(
+    rendered: Rendered,
+    spec: VisionSpec,
+    count: int,
+    param: str,
+    lengths: Sequence[int] | None = None,
+) -> Rendered:
+    """`expand_markers` on a rendered prompt, its content spans moved along."""
+    expansions = _expansions(rendered.text, spec, count, param, lengths)
+    try:
+        return splice(rendered, spec.marker, expansions)
+    except ValueError:  # a marker in message text
+        raise _marker_error(rendered.text.count(spec.marker), count, spec, param) from None
+
+
+def _marker_error(found: int, count: int, spec: VisionSpec, param: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"The prompt holds {found} image markers ({spec.marker}) for {count} images: "
+        f"remove {spec.marker} from the messages' text.",
+        param=param,
+        code="invalid_image",
+    )
+
+
+def _expansions(
+    text: str, spec: VisionSpec, count: int, param: str, lengths: Sequence[int] | None
+) -> list[str]:
+    """What each image marker in `text` becomes."""
     found = text.count(spec.marker)
     if found != count:
-        raise InvalidRequest(
-            f"The prompt holds {found} image markers ({spec.marker}) for {count} images: "
-            f"remove {spec.marker} from the messages' text.",
-            param=param,
-            code="invalid_image",
-        )
+        raise _marker_error(found, count, spec, param)
     if lengths is None:
         if spec.preprocessing.grid is not None:
             raise InvalidRequest(
@@ -64,10 +91,8 @@ def expand_markers(
                 param=param,
                 code="invalid_image",
             )
-        return text.replace(spec.marker, spec.expansion)
-    parts = text.split(spec.marker)
-    placed = (spec.placeholder(n) + part for n, part in zip(lengths, parts[1:], strict=True))
-    return parts[0] + "".join(placed)
+        return [spec.expansion] * found
+    return [spec.placeholder(n) for n in lengths]
 
 
 def image_starts(

@@ -12,10 +12,9 @@ from types import MappingProxyType
 from typing import Any
 
 from gateway.core.errors import InvalidRequest
+from gateway.core.limits import MAX_TOOLS, check_count, check_schema_size, check_stops
 from runtime.types import Constraint, SamplingParams
 from templates.types import ImagePart, Message, RenderOptions, Tool
-
-MAX_STOP_STRINGS = 16
 
 
 @dataclass(frozen=True)
@@ -127,8 +126,7 @@ def has_images(messages: Sequence[Message]) -> bool:
 
 def stops(stop: str | Sequence[str] | None, *, param: str = "stop") -> tuple[str, ...]:
     items = [stop] if isinstance(stop, str) else list(stop or ())
-    if len(items) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed", param=param)
+    check_stops(items, param=param)
     if any(s == "" for s in items):
         raise InvalidRequest("stop strings must not be empty", param=param)
     return tuple(dict.fromkeys(items))
@@ -165,10 +163,15 @@ def tool_plan(
 ) -> ToolPlan:
     """`choice` is "none", "auto", "required" or "named" (with `name`), already checked
     against the tool names by the dialect's adapter."""
-    names = [t.name for t in tools]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise InvalidRequest(f"tool names must be unique; {dup!r} appears twice", param=param)
+    check_count(tools, MAX_TOOLS, param=param, what="tools")
+    seen: set[str] = set()
+    for tool in tools:
+        if tool.name in seen:
+            raise InvalidRequest(
+                f"tool names must be unique; {tool.name!r} appears twice", param=param
+            )
+        seen.add(tool.name)
+        check_schema_size(dict(tool.parameters), param=param, what=f"tool {tool.name!r}'s schema")
     if choice == "none" or not tools:
         return ToolPlan()  # tools are neither rendered nor parsed
     if not supported:

@@ -10,7 +10,7 @@ import parsers
 from gateway.core.capabilities import tool_call_opener
 from gateway.core.errors import InvalidRequest, Unprocessable
 from gateway.core.images import (
-    expand_markers,
+    expand_rendered,
     image_sources,
     place_images,
     read_images,
@@ -22,7 +22,7 @@ from gateway.core.structured import forced_call, request_constraint
 from parsers.events import Event
 from runtime.types import Constraint, PromptImage, ReasoningBudget
 from runtime.vision import PreparedImage
-from templates import TURN_OPENERS, TemplateError
+from templates import TURN_OPENERS, Rendered, TemplateError, render_prompt
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def check_chat(served: ServedModel, *, param: str = "messages") -> None:
         )
 
 
-def render(served: ServedModel, plan: ChatPlan) -> str:
+def render(served: ServedModel, plan: ChatPlan) -> Rendered:
     if has_images(plan.messages) and not served.vision:
         raise InvalidRequest(
             f"The model {served.id!r} has no vision: send text content only, or serve a "
@@ -60,7 +60,9 @@ def render(served: ServedModel, plan: ChatPlan) -> str:
             code="model_has_no_vision",
         )
     try:
-        return served.renderer.render(plan.messages, plan.tools.tools, plan.options)
+        return render_prompt(
+            served.renderer, plan.messages, plan.tools.tools, plan.options, served.controls
+        )
     except TemplateError as exc:
         raise Unprocessable(
             f"The model's chat template rejected these messages: {exc}",
@@ -72,7 +74,7 @@ def render(served: ServedModel, plan: ChatPlan) -> str:
 def prepare(served: ServedModel, plan: ChatPlan) -> Prepared:
     """Render and encode (slow for long conversations: call it off the event loop);
     images are fetched, decoded and preprocessed here too."""
-    text = render(served, plan)
+    rendered = render(served, plan)
     sources = image_sources(plan.messages)
     spec = require_vision(served.loaded.vision, served.id, plan.messages_field) if sources else None
     read: list[PreparedImage] = []
@@ -80,7 +82,8 @@ def prepare(served: ServedModel, plan: ChatPlan) -> Prepared:
         # read first: how many tokens an image takes may depend on its size
         read = read_images(spec, sources, served.image_policy, plan.messages_field)
         lengths = [spec.tokens(image.shape) for image in read]
-        text = expand_markers(text, spec, len(sources), plan.messages_field, lengths)
+        rendered = expand_rendered(rendered, spec, len(sources), plan.messages_field, lengths)
+    text = rendered.text
     caps = served.caps
     think: parsers.ThinkMode = parsers.think_mode(text) if caps.thinking else False
     prefix = ""
@@ -101,7 +104,8 @@ def prepare(served: ServedModel, plan: ChatPlan) -> Prepared:
             )
         # a prompt that leaves the model inside <think> is closed first: the call comes now
         prefix = ("</think>\n\n" if think == "open" else "") + opener
-    tokens = served.loaded.tokenizer.encode_prompt(text + prefix)
+    # message text is tokenized as plain text: only the template's markup is control tokens
+    tokens = served.loaded.tokenizer.encode_prompt(text + prefix, content=rendered.content)
     # a forced call closes an open block itself: the budget then has nothing to bound
     inside = think == "open" and not prefix
     # a template that closed the block itself (thinking off) leaves no reasoning to skip

@@ -18,6 +18,14 @@ DEFAULT_MAX_TOKENS = 8192
 QUANTIZE_CHOICES = ("q4", "q8")
 QUANTIZE_GROUPS = (32, 64, 128)
 DEFAULT_QUANTIZE_GROUP = 64
+# open connections served at once; beyond it a 503 with Retry-After (uvicorn's
+# limit_concurrency, answered in the dialect): with --max-body-bytes, a bound on the
+# memory bodies in flight can take
+DEFAULT_MAX_CONNECTIONS = 1024
+# requests rendering, tokenizing or fetching images at once, before the engine's queue;
+# beyond it a 429 with Retry-After. Below anyio's 40 worker threads, so the model loader
+# and the debug view always find one.
+DEFAULT_MAX_PREPARING = 32
 
 
 @dataclass(frozen=True)
@@ -40,11 +48,20 @@ class ServerSettings:
     # the most a request's head (request line and headers) may take, from the connection
     # or its first byte: a 408 and the connection closes (gateway/server/head_deadline.py)
     head_timeout_seconds: float = 30.0
+    # the address the server binds: which Host headers it answers depends on it
+    # (gateway/core/exposure.py)
+    host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()  # more Host names (proxies, tunnels); "*" = any
+    max_connections: int | None = DEFAULT_MAX_CONNECTIONS  # None: no bound
+    max_preparing: int = DEFAULT_MAX_PREPARING
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("an API key cannot be empty")
-        for name in ("max_body_bytes", "max_prompt_tokens", "max_tokens_cap", "default_max_tokens"):
+        for name in (
+            "max_body_bytes", "max_prompt_tokens", "max_tokens_cap", "default_max_tokens",
+            "max_connections", "max_preparing",
+        ):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")

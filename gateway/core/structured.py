@@ -23,8 +23,9 @@ from dataclasses import replace
 from typing import Any
 
 from gateway.core.errors import InvalidRequest
+from gateway.core.limits import check_grammar_size, check_schema_size
 from gateway.core.plan import ChatPlan
-from parsers.grammars import CallGrammar, call_grammar, custom_lark, free_calls
+from parsers.grammars import CallGrammar, GrammarTooLarge, call_grammar, custom_lark, free_calls
 from runtime.text import ConstraintError, Tokenizer, check, json_schema_constraint, lark_constraint
 from runtime.types import Constraint, ReasoningLead
 
@@ -50,6 +51,7 @@ def json_output(schema: Any, *, param: str) -> Constraint:
     the request at `param`), or a 400 if the schema cannot be enforced."""
     if not isinstance(schema, (Mapping, bool)):
         raise InvalidRequest(f"{param} must be a JSON schema object", param=param)
+    check_schema_size(schema, param=param)
     try:
         constraint = json_schema_constraint(schema, name=param)
         check(constraint)
@@ -98,7 +100,16 @@ def _literal(text: str) -> str:
 def _calls(plan: ChatPlan, parser: str, tag: Callable[[str], str]) -> CallGrammar | None:
     tools = plan.tools
     names = (tools.name,) if tools.choice == "named" and tools.name else None
-    return call_grammar(parser, tools.schemas, tag=tag, parallel=tools.parallel, only=names)
+    try:
+        return call_grammar(parser, tools.schemas, tag=tag, parallel=tools.parallel, only=names)
+    except GrammarTooLarge as exc:
+        # refused while it was being flattened: the memory and work stay bounded
+        raise InvalidRequest(
+            f"tools: {exc}: write the grammar with fewer rules that use another rule more "
+            "than once",
+            param="tools",
+            code="grammar_too_large",
+        ) from None
 
 
 def forced_call(plan: ChatPlan, parser: str, tokenizer: Tokenizer) -> CallGrammar | None:
@@ -162,6 +173,7 @@ def custom_tool_grammar(fmt: Mapping[str, Any] | None, *, param: str) -> dict[st
         raise InvalidRequest(
             f"{param}.definition must be the {syntax} grammar's text", param=f"{param}.definition"
         )
+    check_grammar_size(definition, param=f"{param}.definition")
     try:
         check(lark_constraint(custom_lark(syntax, definition), name=param))
     except ConstraintError as exc:

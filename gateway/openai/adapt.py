@@ -13,6 +13,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gateway.core.errors import InvalidRequest
+from gateway.core.limits import MAX_MESSAGES, check_count
 from gateway.core.plan import (
     CachePin,
     ChatPlan,
@@ -270,6 +271,7 @@ def chat_plan(
     defaults: Mapping[str, float] | None = None,
 ) -> ChatPlan:
     _refuse_unsupported(req)
+    check_count(req.messages, MAX_MESSAGES, param="messages", what="messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     return ChatPlan(
         messages=to_messages(req.messages),

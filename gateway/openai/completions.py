@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from anyio import to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -29,8 +28,9 @@ from gateway.core.generation import (
     submit,
     until_disconnect,
 )
-from gateway.core.http import read_json, server_settings, validate
+from gateway.core.http import read_model, server_settings
 from gateway.core.models import ServedModel
+from gateway.core.preparing import prepare_off_loop
 from gateway.core.settings import ServerSettings
 from gateway.core.with_model import with_model
 from gateway.openai import adapt as adapters
@@ -77,7 +77,7 @@ def _requests(
 
 
 async def completions(request: Request) -> Response:
-    req = validate(CompletionRequest, await read_json(request))
+    req = await read_model(request, CompletionRequest)
     return await with_model(request, req.model, partial(_complete, request, req), stream=req.stream)
 
 
@@ -86,7 +86,7 @@ async def _complete(request: Request, req: CompletionRequest, served: ServedMode
     plan = adapters.completion_plan(
         req, vocab_size=served.vocab_size, defaults=served.sampling_defaults
     )
-    prompts = await to_thread.run_sync(_encode, served, plan.prompts)
+    prompts = await prepare_off_loop(request, partial(_encode, served, plan.prompts))
     wanted = _requests(served, settings, plan, prompts)
     fmt = TextStream(model=served.id)
     metrics = request.app.state.metrics

@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.core.errors import APIError
 from gateway.core.models import ModelRegistry
 from gateway.core.settings import ServerSettings
-from gateway.server.head_deadline import head_deadline_protocol
+from gateway.server.connections import server_protocol
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def run_server(
         port=port,
         log_level=log_level,
         timeout_graceful_shutdown=int(FLUSH_S),
-        http=head_deadline_protocol(settings.head_timeout_seconds),
+        http=server_protocol(settings),
     )
     try:
         server(config, app, grace).run()

@@ -23,6 +23,7 @@ from typing import Any
 
 from parsers.grammars._common import GRAMMAR_KEY, CallGrammar, Tag
 from parsers.grammars.json_calls import HERMES_CLOSE, HERMES_OPEN, deepseek, hermes, llama3_json
+from parsers.grammars.lark_regex import MAX_REGEX_CHARS, GrammarTooLarge
 from parsers.grammars.xml_calls import custom_lark, glm, qwen3_coder
 from parsers.registry import call_openers
 
@@ -30,7 +31,9 @@ __all__ = [
     "GRAMMAR_KEY",
     "HERMES_CLOSE",
     "HERMES_OPEN",
+    "MAX_REGEX_CHARS",
     "CallGrammar",
+    "GrammarTooLarge",
     "Tag",
     "builders",
     "call_grammar",

@@ -41,7 +41,7 @@ from parsers.grammars._common import (
     lit,
     tool_defs,
 )
-from parsers.grammars.lark_regex import lark_to_regex
+from parsers.grammars.lark_regex import GrammarTooLarge, lark_to_regex
 from runtime.text import json_schema_rule
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -57,8 +57,16 @@ def json_arguments(params: Schema) -> str:
     the grammar as its pattern when it is regular, else stays any string."""
     props = params.get("properties")
     if isinstance(props, Mapping) and any(_custom(s) for s in props.values()):
-        params = {**params, "properties": {k: _plain(v) for k, v in props.items()}}
+        params = {**params, "properties": {k: _plain(k, v) for k, v in props.items()}}
     return json_schema_rule(params, lenient=True)
+
+
+def _arguments_rule(tool: ToolDef) -> str:
+    """json_arguments of a tool; a grammar too large to flatten names the tool."""
+    try:
+        return json_arguments(tool.params)
+    except GrammarTooLarge as exc:
+        raise GrammarTooLarge(f"tool {tool.name!r}, {exc}") from None
 
 
 def _custom(schema: Any) -> Mapping[str, Any] | None:
@@ -66,13 +74,16 @@ def _custom(schema: Any) -> Mapping[str, Any] | None:
     return found if isinstance(found, Mapping) else None
 
 
-def _plain(schema: Any) -> Any:
+def _plain(name: str, schema: Any) -> Any:
     custom = _custom(schema)
     if custom is None:
         return schema
     out = {k: v for k, v in schema.items() if k != GRAMMAR_KEY}
     definition = str(custom.get("definition", ""))
-    regex = definition if custom.get("syntax") == "regex" else lark_to_regex(definition)
+    try:
+        regex = definition if custom.get("syntax") == "regex" else lark_to_regex(definition)
+    except GrammarTooLarge as exc:
+        raise GrammarTooLarge(f"argument {name!r}: {exc}") from None
     if regex is not None:
         out["pattern"] = f"^(?:{regex})$"
     return out
@@ -86,7 +97,7 @@ def _tails(tools: list[ToolDef], key: str) -> tuple[list[str], dict[str, str]]:
     for tool in tools:
         lead = lit(json.dumps(tool.name, ensure_ascii=False)[1:-1] + f'", "{key}": ')
         rules.append(f"tail_{tool.key}: {lead} args_{tool.key} {lit('}')}")
-        rules.append(f"args_{tool.key}: {json_arguments(tool.params)}")
+        rules.append(f"args_{tool.key}: {_arguments_rule(tool)}")
         tails[tool.name] = f"tail_{tool.key}"
     return rules, tails
 
@@ -186,7 +197,7 @@ def deepseek(
             lines.append(f"body_{t.key}: {head} args_{t.key} {lit(V3_FENCE_END)}")
         else:
             lines.append(f"body_{t.key}: {lit(t.name)} {sep} args_{t.key}")
-        lines.append(f"args_{t.key}: {json_arguments(t.params)}")
+        lines.append(f"args_{t.key}: {_arguments_rule(t)}")
     gap = f"{lit(V3_GAP)} " if v3 else ""
     repeat = f" ({gap}one)*" if parallel else ""
     rules = "\n".join([

@@ -7,6 +7,11 @@ substituted into the start rule, and the tool-call formats that carry the tool's
 inside a JSON string can keep to it too. Recursive rules, `%ignore`, templates and
 llguidance's own extensions (rule options, `%json`, nested grammars) are not flattened:
 `lark_to_regex` returns None and the input stays free text.
+
+Each use of a rule copies its regex, so rules that use the next one twice double the
+output at every level (30 levels: gigabytes). The size is bounded while expanding: a
+regex longer than MAX_REGEX_CHARS, or more than MAX_EXPANSION_CHARS built in all, stops
+the expansion at once with `GrammarTooLarge`.
 """
 
 from __future__ import annotations
@@ -44,24 +49,31 @@ _COMMON: Mapping[str, str] = {
     "WORD": r"[A-Za-z]+",
     "CNAME": r"[_A-Za-z][_A-Za-z0-9]*",
 }
-_MAX_LENGTH = 50_000  # a grammar whose rules are reused a lot would blow the regex up
+MAX_REGEX_CHARS = 50_000  # the regex of the start rule, and of any rule or group in it
+# All text built while flattening (a rule's regex is built once, then copied into each
+# use): bounds the work and memory of a long chain of rules that each use the one before.
+MAX_EXPANSION_CHARS = 40 * MAX_REGEX_CHARS
 
 
 class _Unsupported(Exception):
     pass
 
 
+class GrammarTooLarge(Exception):
+    """The grammar flattens to more than the bounds above; raised as soon as it does."""
+
+
 def lark_to_regex(grammar: str) -> str | None:
     """The language of `grammar`'s start rule as one regex (Rust syntax), or None when
-    the grammar is not regular in the way this reads it, or uses what it cannot."""
+    the grammar is not regular in the way this reads it, or uses what it cannot.
+    GrammarTooLarge when it flattens past MAX_REGEX_CHARS or MAX_EXPANSION_CHARS."""
     try:
         rules = _definitions(grammar)
         if "start" not in rules:
             return None
-        regex = _Flattener(rules).rule("start")
+        return _Flattener(rules).rule("start")
     except (_Unsupported, ValueError, SyntaxError, RecursionError):
         return None
-    return regex if len(regex) <= _MAX_LENGTH else None
 
 
 def _definitions(grammar: str) -> dict[str, list[tuple[str, str]]]:
@@ -116,6 +128,29 @@ class _Flattener:
         self._rules = rules
         self._done: dict[str, str] = {}
         self._open: set[str] = set()
+        self.built = 0  # characters of regex built so far (MAX_EXPANSION_CHARS)
+
+    def _join(self, parts: list[str], sep: str = "") -> str:
+        """`parts` (checked by `_grow` on the way) joined, and counted."""
+        text = sep.join(parts)
+        self.built += len(text)
+        if self.built > MAX_EXPANSION_CHARS:
+            raise GrammarTooLarge(
+                f"flattening its grammar builds more than {MAX_EXPANSION_CHARS} characters of "
+                "regular expression (each use of a rule copies the rule)"
+            )
+        return text
+
+    @staticmethod
+    def _grow(size: int, part: str) -> int:
+        """`size` plus `part`, checked before anything longer than the bound is built."""
+        size += len(part) + 1
+        if size > MAX_REGEX_CHARS:
+            raise GrammarTooLarge(
+                f"its grammar flattens to a regular expression of more than {MAX_REGEX_CHARS} "
+                "characters (each use of a rule copies the rule)"
+            )
+        return size
 
     def rule(self, name: str) -> str:
         if name in self._done:
@@ -132,25 +167,31 @@ class _Flattener:
         return regex
 
     def _alternatives(self, tokens: list[tuple[str, str]], pos: int) -> tuple[str, int]:
-        options = []
+        options: list[str] = []
+        size = 0
         while True:
             regex, pos = self._sequence(tokens, pos)
+            size = self._grow(size, regex)
             options.append(regex)
             if pos < len(tokens) and tokens[pos] == ("punct", "|"):
                 pos += 1
                 continue
-            return (options[0] if len(options) == 1 else f"(?:{'|'.join(options)})"), pos
+            if len(options) == 1:
+                return options[0], pos
+            return f"(?:{self._join(options, '|')})", pos
 
     def _sequence(self, tokens: list[tuple[str, str]], pos: int) -> tuple[str, int]:
-        items = []
+        items: list[str] = []
+        size = 0
         while pos < len(tokens) and tokens[pos] not in (
             ("punct", "|"),
             ("punct", ")"),
             ("punct", "]"),
         ):
             item, pos = self._item(tokens, pos)
+            size = self._grow(size, item)
             items.append(item)
-        return "".join(items), pos
+        return self._join(items), pos
 
     def _item(self, tokens: list[tuple[str, str]], pos: int) -> tuple[str, int]:
         atom, pos = self._atom(tokens, pos)

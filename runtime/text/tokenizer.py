@@ -14,6 +14,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from runtime.text.plain import PlainEncoder, encode_with_plain_spans
+
 log = logging.getLogger(__name__)
 
 
@@ -74,9 +76,15 @@ class Tokenizer:
         if eos_id is not None:
             eos.add(eos_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
-        self.special_ids: frozenset[int] = frozenset(
-            i for i, tok in hf.get_added_tokens_decoder().items() if tok.special
+        added = hf.get_added_tokens_decoder()
+        self.special_ids: frozenset[int] = frozenset(i for i, tok in added.items() if tok.special)
+        self.added_ids: frozenset[int] = frozenset(added)
+        # the added tokens' text: all of them, and those marked special (control tokens)
+        self.added_tokens: frozenset[str] = frozenset(tok.content for tok in added.values())
+        self.special_tokens: frozenset[str] = frozenset(
+            tok.content for tok in added.values() if tok.special
         )
+        self._plain = PlainEncoder(hf)
 
     # -- constructors -----------------------------------------------------------------
 
@@ -119,11 +127,17 @@ class Tokenizer:
             return [self.bos_token_id, *ids]
         return ids
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str, *, content: Sequence[tuple[int, int]] = ()) -> list[int]:
         """A rendered chat prompt: BOS only if the model wants one and the template did
-        not already write it."""
+        not already write it. `content`: character spans that came from message content;
+        an added token that meets one is read as plain text (see runtime.text.plain)."""
         wants_bos = self.add_bos and not (self.bos_token and text.startswith(self.bos_token))
-        return self.encode(text, add_special_tokens=wants_bos)
+        if not content:
+            return self.encode(text, add_special_tokens=wants_bos)
+        ids = encode_with_plain_spans(self.hf, self._plain, self.added_ids, text, content)
+        if wants_bos and self.bos_token_id is not None:
+            return [self.bos_token_id, *ids]
+        return ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))

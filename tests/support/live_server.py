@@ -16,7 +16,7 @@ from gateway.app import create_app
 from gateway.core.models.registry import ModelRegistry
 from gateway.core.models.served import ServedModel
 from gateway.core.settings import ServerSettings
-from gateway.server.head_deadline import head_deadline_protocol
+from gateway.server import server_protocol
 
 
 def free_port() -> int:
@@ -36,8 +36,8 @@ def live_server(
     Config (e.g. log_level="info", log_config=None to see its logs in caplog)."""
     port = free_port()
     app = create_app(load, settings)
-    head = (settings or ServerSettings()).head_timeout_seconds
-    options = {"log_level": "warning", "http": head_deadline_protocol(head), **uvicorn_options}
+    protocol = server_protocol(settings or ServerSettings())  # head deadline, connection bound
+    options = {"log_level": "warning", "http": protocol, **uvicorn_options}
     config = uvicorn.Config(app, host="127.0.0.1", port=port, **options)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)

@@ -10,7 +10,14 @@ import sys
 from pathlib import Path
 
 from gateway.app import create_app
-from gateway.cli.common import DEFAULT_MODEL, bind_warning, client_url, engine_settings, env
+from gateway.cli.common import (
+    DEFAULT_MODEL,
+    bind_warning,
+    check_bind,
+    client_url,
+    engine_settings,
+    env,
+)
 from gateway.cli.errors import FAILED, CliError
 from gateway.cli.serve import models as serve_models
 from gateway.cli.serve.models import ModelConfig
@@ -21,6 +28,7 @@ from gateway.server import StartupFailed, run_server
 
 def serve(args: argparse.Namespace) -> int:
     server = server_settings(args)
+    check_bind(args.host, server.api_key, args.allow_unauthenticated)  # distributed too
     if args.engine_stall_seconds <= 0:
         raise CliError("--engine-stall-seconds must be above 0 (default 300)")
     stall = args.engine_stall_seconds
@@ -63,9 +71,16 @@ def serve(args: argparse.Namespace) -> int:
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
     origins = tuple(o.strip() for o in args.cors_origins.split(",") if o.strip())
+    hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
+    if args.max_connections < 0 or args.max_preparing < 1:
+        raise CliError("--max-connections must be 0 or more, --max-preparing at least 1")
     try:
         return ServerSettings(
             api_key=args.api_key,
+            host=args.host,
+            allowed_hosts=hosts,
+            max_connections=args.max_connections or None,  # 0: no bound
+            max_preparing=args.max_preparing,
             cors_origins=origins,
             max_body_bytes=args.max_body_bytes,
             max_prompt_tokens=args.max_prompt_tokens,

@@ -17,7 +17,13 @@ from gateway.core.models.served import ServedModel
 from gateway.core.settings import EngineSettings
 from runtime.engine import Engine, ModelRunner, RunnerSettings
 from runtime.load import LoadedModel, QuantizeSpec, load
-from templates import MissingTemplateRenderer, builtin_family_for, renderer_for
+from templates import (
+    ControlStrings,
+    MissingTemplateRenderer,
+    builtin_family_for,
+    control_strings,
+    renderer_for,
+)
 
 if TYPE_CHECKING:
     from templates import Renderer
@@ -66,7 +72,15 @@ def build_served(
         runner=runner,
         sampling_defaults=defaults,
         image_policy=ImagePolicy(allow_private=settings.allow_private_urls),
+        controls=model_controls(model),
     )
+
+
+def model_controls(model: LoadedModel) -> ControlStrings:
+    """The strings the model's tokenizer makes control tokens of: its special tokens, and
+    the plain added tokens its chat format writes as markup."""
+    tok = model.tokenizer
+    return control_strings(tok.special_tokens, tok.added_tokens, model.chat_template)
 
 
 def weight_quantization(settings: EngineSettings) -> QuantizeSpec | None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from gateway.core.capabilities import Capabilities
 from gateway.core.errors import InvalidRequest
 from gateway.core.image_fetch import ImagePolicy
+from templates import ControlStrings
 
 if TYPE_CHECKING:
     from runtime.engine import Engine, ModelRunner
@@ -35,6 +36,8 @@ class ServedModel:
     sampling_defaults: Mapping[str, float] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     image_policy: ImagePolicy = field(default_factory=ImagePolicy)  # limits, URL fetching
+    # the tokenizer's control strings: in message text they are tokenized as plain text
+    controls: ControlStrings = field(default_factory=ControlStrings)
 
     @property
     def context_length(self) -> int:

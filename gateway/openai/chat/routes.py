@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from anyio import to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -24,10 +23,11 @@ from gateway.core.generation import (
     submit,
     until_disconnect,
 )
-from gateway.core.http import read_json, server_settings, validate
+from gateway.core.http import read_model, server_settings
 from gateway.core.models import ServedModel
 from gateway.core.plan import ChatPlan
 from gateway.core.prepare import check_chat, new_parser, prepare
+from gateway.core.preparing import prepare_off_loop
 from gateway.core.with_model import with_model
 from gateway.openai import adapt as adapters
 from gateway.openai.chat.output import ChatOutput
@@ -37,7 +37,7 @@ from runtime.types import Finished, FinishReason, TextDelta, TokenLogprob
 
 
 async def chat_completions(request: Request) -> Response:
-    req = validate(ChatCompletionRequest, await read_json(request))
+    req = await read_model(request, ChatCompletionRequest)
     return await with_model(request, req.model, partial(_complete, request, req), stream=req.stream)
 
 
@@ -51,7 +51,7 @@ async def _complete(request: Request, req: ChatCompletionRequest, served: Served
         defaults=served.sampling_defaults,
     )
     # rendering and tokenizing a long conversation takes a while: keep it off the event loop
-    prep = await to_thread.run_sync(prepare, served, plan)
+    prep = await prepare_off_loop(request, partial(prepare, served, plan))
     max_tokens = budget(
         served, settings, len(prep.tokens), plan.max_tokens, param=plan.max_tokens_field
     )

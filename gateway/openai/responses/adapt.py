@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.core.errors import InvalidRequest
+from gateway.core.limits import MAX_MESSAGES, check_count
 from gateway.core.plan import (
     CachePin,
     ChatPlan,
@@ -135,6 +136,8 @@ def response_plan(
     defaults: Mapping[str, float] | None = None,
 ) -> Adapted:
     refuse_unsupported(req)
+    if isinstance(req.input, list):
+        check_count(req.input, MAX_MESSAGES, param="input", what="items")
     items = input_items(req, lookup)
     messages = to_messages(history, items, instructions=req.instructions, open_sealed=open_sealed)
     if not messages:

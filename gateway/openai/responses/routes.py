@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
-from anyio import to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -34,10 +33,11 @@ from gateway.core.generation import (
     submit,
     until_disconnect,
 )
-from gateway.core.http import read_json, server_settings, validate
+from gateway.core.http import read_model, server_settings
 from gateway.core.models import ServedModel
 from gateway.core.plan import ChatPlan
 from gateway.core.prepare import Prepared, check_chat, new_parser, prepare
+from gateway.core.preparing import prepare_off_loop
 from gateway.core.reply import Reply, parsed
 from gateway.core.settings import ServerSettings
 from gateway.core.with_model import with_model
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 
 async def create_response(request: Request) -> Response:
-    req = validate(ResponsesRequest, await read_json(request))
+    req = await read_model(request, ResponsesRequest)
     return await with_model(
         request, req.model, partial(_respond, request, req), stream=req.stream, on_error=_error
     )
@@ -79,7 +79,8 @@ async def _respond(request: Request, req: ResponsesRequest, served: ServedModel)
     )
     auto = req.truncation == "auto"
     # rendering and tokenizing a long conversation takes a while: keep it off the event loop
-    plan, prep = await to_thread.run_sync(fit, served, settings, adapted.plan, auto)
+    fitted = partial(fit, served, settings, adapted.plan, auto)
+    plan, prep = await prepare_off_loop(request, fitted)
     max_tokens = budget(
         served, settings, len(prep.tokens), plan.max_tokens,
         param="max_output_tokens", prompt_param="input",

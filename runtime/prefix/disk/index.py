@@ -103,17 +103,17 @@ class DiskIndex:
 
         self._writer.submit(0, touch, block=False)
 
-    def shrink(self, keep: Entry | None = None) -> None:
+    def shrink(self, keep: Entry | None = None, room: int = 0) -> None:
         """Delete least recently used files (the deepest first among equals) until the
-        directory fits `max_bytes`."""
-        if self.nbytes <= self.max_bytes:
+        directory fits `max_bytes`, with `room` bytes to spare."""
+        if self.nbytes + room <= self.max_bytes:
             return
         order = sorted(
             (e for e in self.entries.values() if e is not keep),
             key=lambda e: (e.last_used, -e.header.end),
         )
         for entry in order:
-            if self.nbytes <= self.max_bytes:
+            if self.nbytes + room <= self.max_bytes:
                 break
             self._counts["evictions"] += 1
             self.delete(entry)

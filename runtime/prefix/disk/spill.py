@@ -7,13 +7,22 @@ writer thread (runtime/prefix/disk/writer.py), which writes the file
 (runtime/prefix/disk/files.py). The arrays stay referenced until the engine thread hears
 the write is done (`settle`), and are freed there. When the queue is full the state is
 dropped, as it was before the disk tier; `close` waits instead.
+
+A failed write drops its entry and is logged once per kind of failure (later ones are
+only counted). A full disk (ENOSPC, EDQUOT) lowers the tier's budget to the files it
+holds, so that from then on least recently used files make room for new ones on the
+space there is.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import os
 from collections import Counter, deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -49,9 +58,12 @@ class Spiller:
         self._counts = counts
         self._clock = clock
         # what the writer reports to the engine thread: each job's entry and the size
-        # written (None: not written); then the entries whose write failed
-        self._done: deque[tuple[Entry, int | None]] = deque()
+        # written, or why not (the error, and whether the disk was full; None: deleted
+        # before its turn); then the entries whose write failed, and the kinds of
+        # failure already logged
+        self._done: deque[tuple[Entry, int | tuple[Exception, bool] | None]] = deque()
         self.failed: list[Entry] = []
+        self._logged: set[str] = set()
 
     def spill(self, trie: Trie, node: Node, *, block: bool = False) -> None:
         """Move the node's in-memory snapshots to disk (dropped when the writer's queue
@@ -82,12 +94,14 @@ class Spiller:
         entry, job = plan
         if job is None:
             self._index.touch(entry)  # the same state is on disk (or queued) already
-        elif not self._writer.submit(entry.nbytes, job, block=block):
-            self._counts["dropped"] += 1
-            for i, _ in fresh:
-                _move(trie, node, i, None)
-            return
         else:
+            # deletions queue ahead of the write: on a full disk they make its room
+            self._index.shrink(room=entry.nbytes)
+            if not self._writer.submit(entry.nbytes, job, block=block):
+                self._counts["dropped"] += 1
+                for i, _ in fresh:
+                    _move(trie, node, i, None)
+                return
             self._index.add(entry)
             self._counts["writes"] += 1
         for i, _ in fresh:
@@ -150,18 +164,19 @@ class Spiller:
 
         def write() -> None:
             views = holder.pop()
-            size: int | None = None
+            outcome: int | tuple[Exception, bool] | None = None
             try:
                 if not entry.dead:  # else deleted before its turn came
-                    entry.header, size = write_entry(
+                    entry.header, outcome = write_entry(
                         path, identity, entry.header, tokens, runs, views
                     )
             except Exception as exc:
-                log.warning("prefix cache: writing %s failed (%s); dropping it", path.name, exc)
-                path.unlink(missing_ok=True)
+                outcome = (exc, _full(exc, path.parent, entry.nbytes))
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
             finally:
                 del views
-                self._done.append((entry, size))
+                self._done.append((entry, outcome))
 
         return write
 
@@ -170,14 +185,58 @@ class Spiller:
         on the MLX thread), put real sizes in place of the (upper) estimates, and note
         failed writes in `failed`."""
         while self._done:
-            entry, size = self._done.popleft()
+            entry, outcome = self._done.popleft()
             entry.pending = entry.exported = None
-            if size is None:
-                if not entry.dead:
-                    self.failed.append(entry)
-            else:
-                self._index.resize(entry, size)
-        self._index.shrink()  # only when a file outgrew its estimate
+            if isinstance(outcome, int):
+                self._index.resize(entry, outcome)
+                continue
+            if not entry.dead:
+                self.failed.append(entry)
+            if outcome is not None:
+                self._write_failed(entry, *outcome)
+        self._index.shrink()  # when a file outgrew its estimate, or the disk filled up
+
+    def _write_failed(self, entry: Entry, exc: Exception, full: bool) -> None:
+        """Count a failed write and log the first of its kind; on a full disk, lower
+        the budget to the files written so far."""
+        self._counts["write_errors"] += 1
+        kind = "full" if full else type(exc).__name__ + str(getattr(exc, "errno", ""))
+        if full:
+            written = sum(
+                e.nbytes
+                for e in self._index.entries.values()
+                if e.pending is None and e is not entry and not e.dead
+            )
+            self._index.max_bytes = min(self._index.max_bytes, written)
+        if kind in self._logged:
+            return
+        self._logged.add(kind)
+        where = self._index.directory
+        if full:
+            log.warning(
+                "prefix cache: the disk holding %s is full (%s); the disk tier now keeps "
+                "at most the %.1f MB it has written, least recently used files making room",
+                where, exc, self._index.max_bytes / 1e6,
+            )  # fmt: skip
+        else:
+            log.warning(
+                "prefix cache: writing to %s failed (%s); the entry is dropped, and later "
+                "failures like this one are only counted (disk_write_errors)",
+                where, exc,
+            )  # fmt: skip
+
+
+def _full(exc: Exception, directory: Path, nbytes: int) -> bool:
+    """Whether a write failed for want of space: its error says so (safetensors reports
+    one as a SafetensorError, not an OSError), or the file system has less room left
+    than the file needs."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        fs = os.statvfs(directory)
+    except OSError:
+        return False
+    return fs.f_bavail * fs.f_frsize < nbytes
 
 
 def _move(trie: Trie, node: Node, layer: int, snap: Snapshot | None) -> None:

@@ -229,7 +229,7 @@ class DiskTier:
         return {
             "disk_entries": len(self._index.entries),
             "disk_bytes": self._index.nbytes,
-            "disk_budget_bytes": self.max_bytes,
+            "disk_budget_bytes": self._index.max_bytes,  # lowered when the disk fills up
             **{f"disk_{k}": self._counts[k] for k in _COUNTS},
         }
 
@@ -246,4 +246,5 @@ _COUNTS = (
     "dropped",
     "too_big",
     "bad_files",
+    "write_errors",
 )
