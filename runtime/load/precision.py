@@ -119,11 +119,11 @@ class Precision:
             return cls(ready, cpu, ready and not cpu, quantize)
         return cls(keep_quantized, cpu, keep_quantized, quantize)
 
-    def scales_dtype(self, dtype: mx.Dtype, float16_exact: bool) -> mx.Dtype:
-        """Storage of an exact repack's scales/biases (``dtype``: the compute dtype)."""
-        if not self.cpu:
-            return dtype
-        return mx.float16 if float16_exact else mx.float32
+    def scales_dtype(self, dtype: mx.Dtype) -> mx.Dtype:
+        """Storage of a GGUF repack's scales/biases (``dtype``: the compute dtype): float16
+        on the CPU (exact for the legacy types, rounded for the K-quants: see
+        runtime/load/gguf/quants.py), the compute dtype elsewhere."""
+        return mx.float16 if self.cpu else dtype
 
     def requantized_scales_dtype(self, dtype: mx.Dtype) -> mx.Dtype:
         """Storage of re-quantized scales/biases (runtime/load/affine.py fits the grid to

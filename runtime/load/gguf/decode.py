@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from runtime.load.affine import affine_quantize, float16_exact
+from runtime.load.affine import affine_quantize
 from runtime.load.gguf.moe_names import FLOAT32_SUFFIX, GATE_UP, GATE_UP_PARTS
 from runtime.load.gguf.quants import (
-    FLOAT16_SCALES,
     GROUP,
     Affine,
     dequantize,
@@ -91,7 +90,6 @@ class Decoded:
     affine: Affine | None = None
     requantize_bits: int | None = None  # quantize ``values`` to this many bits
     group_size: int = GROUP  # ... in groups of this many
-    float16_scales: bool = False  # ``affine``'s scales and biases are float16 values
     dequantized_expert: bool = False  # a quantized expert stack loaded as floats
 
 
@@ -105,10 +103,8 @@ def decode_tensor(gf: GGUFFile, info: TensorInfo, name: str, tf: Transform, plan
             return Decoded(name, values=float_tensor(gf, info, tf), dequantized_expert=True)
         affine = to_affine(gf.raw(info.name), info.ggml_type)
         if affine is not None:
-            exact = precision.cpu and info.ggml_type in FLOAT16_SCALES
-            exact = exact and float16_exact(affine.scales, affine.biases)
             affine = affine if tf.rows is None else affine.take_rows(tf.rows)
-            return Decoded(name, affine=affine, float16_scales=exact)
+            return Decoded(name, affine=affine)
         # No exact affine form (Q6_K, Q2_K, IQ*): dequantize, re-quantize finely.
         bits = 8 if precision.cpu else requantize_bits(info.ggml_type)
         return Decoded(name, values=float_tensor(gf, info, tf), requantize_bits=bits)
@@ -172,9 +168,9 @@ def _store(out: ConvertedWeights, item: Decoded, plan: Plan) -> None:
         a = item.affine
         weight, scales, biases = mx.array(a.weight), mx.array(a.scales), mx.array(a.biases)
         bits, group = a.bits, a.group_size
-        # the CPU: float16 where that is exact, else float32; elsewhere the compute dtype
-        # (quantized matmuls return the scales' dtype)
-        stored = precision.scales_dtype(dtype, item.float16_scales)
+        # the CPU: float16; elsewhere the compute dtype (quantized matmuls return the
+        # scales' dtype)
+        stored = precision.scales_dtype(dtype)
         scales, biases = scales.astype(stored), biases.astype(stored)
     elif item.values is not None and item.requantize_bits is not None:
         bits, group = item.requantize_bits, item.group_size

@@ -20,10 +20,14 @@ Q5_K       5      (d * sc_j) * q - dmin * m_j
 Scales and biases: the legacy types' (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are float16 values
 times a power of two, so float16 holds them exactly (``FLOAT16_SCALES``; checked per tensor
 all the same). The K-quants' products d * sc_j and dmin * m_j need up to 17 significant
-bits: in the real Q4_K tensors here only 0.7-0.9% of the groups have both in float16, and
-rounding them there moves Gemma-3-270M's logits by up to 0.086 (Qwen2.5-Coder-0.5B: 0.023,
-one greedy token of 300 changed). So on the CPU (runtime/load/precision.py) Q4_K/Q5_K keep
-float32 scales/biases and the legacy types float16. Bytes per weight on the CPU:
+bits: in the real Q4_K tensors here only 0.7-0.9% of the groups have both in float16.
+Rounding them to float16 anyway moves Gemma-3-270M's logits by up to 0.086 (Qwen2.5-Coder-
+0.5B: 0.023), far inside the 4-bit grid's own error, and greedy output agrees with
+llama.cpp's exactly as long as with float32 scales (bench/greedy_agreement.py, 3 models x
+4 prompts x 48 tokens: 419 tokens either way; the float32 path: 375). So on the CPU every
+repack stores float16 scales and biases, which keeps a Q4_K weight at 0.625 bytes where
+float32 scales made it 0.75 (a 7B Q4_K_M model: about 1.1x its file instead of 1.3x).
+Bytes per weight on the CPU:
 
 ==========  ============  ==========================================
 ggml type   in the file   on the CPU (weights + scales + biases)
@@ -33,8 +37,8 @@ Q4_1        0.625         0.625  (4-bit, float16 scales)
 Q5_0        0.6875        0.75   (5-bit, float16 scales and biases)
 Q5_1        0.75          0.75   (5-bit, float16 scales)
 Q8_0        1.0625        1.125
-Q4_K        0.5625        0.75   (4-bit, float32 scales)
-Q5_K        0.6875        0.875  (5-bit, float32 scales)
+Q4_K        0.5625        0.625  (4-bit, float16 scales, rounded)
+Q5_K        0.6875        0.75   (5-bit, float16 scales, rounded)
 ==========  ============  ==========================================
 
 Anything else (Q6_K has 16-value sub-blocks, which MLX's smallest group of 32 cannot
