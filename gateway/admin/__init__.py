@@ -1,8 +1,15 @@
-"""The server's own endpoints: models, health, metrics, tokenize, debug."""
+"""The server's own endpoints: models, health, metrics, tokenize, debug, ps."""
 
-from gateway.admin import debug, health, metrics, models, tokenize
+from gateway.admin import debug, health, metrics, models, ps, tokenize
 from gateway.admin.metrics import MetricsMiddleware
 
-ROUTES = [*models.ROUTES, *tokenize.ROUTES, *health.ROUTES, *metrics.ROUTES, *debug.ROUTES]
+ROUTES = [
+    *models.ROUTES,
+    *tokenize.ROUTES,
+    *health.ROUTES,
+    *metrics.ROUTES,
+    *debug.ROUTES,
+    *ps.ROUTES,
+]
 
 __all__ = ["ROUTES", "MetricsMiddleware"]

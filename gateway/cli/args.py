@@ -20,6 +20,7 @@ from gateway.cli.common import (
 )
 from gateway.cli.errors import CliError
 from gateway.cli.launch import add_launch_parser
+from gateway.cli.remote import add_server_options
 from gateway.core.settings import (
     API_KEY_ENV,
     DEFAULT_MAX_BODY_BYTES,
@@ -100,6 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(r)
 
     add_launch_parser(sub)
+
+    ps = sub.add_parser("ps", help="models a running gateway has loaded")
+    ps.add_argument("--json", action="store_true", help="print GET /admin/ps's JSON")
+    add_server_options(ps)
+    show = sub.add_parser("show", help="what a downloaded model is (nothing is loaded)")
+    show.add_argument("model", help=MODEL_HELP)
+    show.add_argument("--json", action="store_true", help="print it as JSON")
+    rm = sub.add_parser("rm", help="remove what `pull` stored for a model")
+    rm.add_argument("model", help="alias, or Hugging Face repo id: org/name[@revision]")
+    rm.add_argument("-y", "--yes", action="store_true", help="do not ask first")
+    add_server_options(rm)
     return p
 
 

@@ -1,6 +1,6 @@
-"""The `mlx-gateway` command: serve, pull, list, run, launch. This module only
+"""The `mlx-gateway` command: serve, pull, list, run, launch, ps, show, rm. This module only
 dispatches: the options are in args.py, what commands share in common.py, and each
-command in its own module (serve/, store/, chat.py, launch/).
+command in its own module (serve/, store/, chat.py, launch/, ps.py, show.py, rm.py).
 
 Every error ends the command with one line on stderr that says what to change, and exit
 code 2 for a wrong command line, 1 for a failed operation (gateway/cli/errors.py); an
@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from gateway.cli.args import build_parser
 from gateway.cli.errors import FAILED, CliError, StoreError
 from gateway.cli.launch import run as run_launch
+from gateway.cli.ps import ps
+from gateway.cli.rm import rm
 from gateway.cli.store.commands import list_models, pull
 from runtime import backend
 
@@ -64,12 +66,21 @@ def _run(argv: Sequence[str] | None) -> int:
         return pull(args)
     if args.command == "list":
         return list_models(args)
+    if args.command == "ps":  # asks a running server; loads nothing
+        return ps(args)
+    if args.command == "rm":
+        return rm(args)
     backend.configure()  # before anything imports mlx
     if args.command == "serve":
         # imported after backend.configure(): serving imports MLX (and the whole app)
         from gateway.cli.serve.command import serve
 
         return serve(args)
+    if args.command == "show":
+        # imported after backend.configure(): it reads GGUF metadata with runtime.load
+        from gateway.cli.show import show
+
+        return show(args)
     # imported after backend.configure(): the chat builds a model, which imports MLX
     from gateway.cli.chat import run as run_chat
 

@@ -4,7 +4,7 @@ GGUF file (runtime.load.gguf), into a runtime.models architecture with its token
 from __future__ import annotations
 
 from runtime.load.gguf import GGUFFile, hf_config, tokenizer_from_gguf
-from runtime.load.loaded import LoadedModel, ShardHook
+from runtime.load.loaded import LoadedModel, ShardHook, context_length
 from runtime.load.loader import check_quantize, load
 from runtime.load.precision import (
     DEFAULT_QUANTIZE_GROUP,
@@ -20,6 +20,7 @@ __all__ = [
     "QuantizeSpec",
     "ShardHook",
     "check_quantize",
+    "context_length",
     "hf_config",
     "load",
     "tokenizer_from_gguf",
