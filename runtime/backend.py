@@ -171,10 +171,12 @@ def trim_heap() -> None:
     nothing). Loading a quantized model frees several hundred MB of transient buffers in
     pieces below glibc's mmap threshold, which stay resident otherwise (Qwen2.5-0.5B's
     GGUF: 1.04 GB resident after load, 0.63 GB after the trim, for 0.54 GB of weights)."""
+    if not sys.platform.startswith("linux"):
+        return  # macOS's allocator returns large blocks itself; Metal buffers are not malloc's
     try:
         libc = ctypes.CDLL(None)
         trim = libc.malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError):  # not glibc (musl)
         return
     trim.argtypes = [ctypes.c_size_t]
     trim(0)

@@ -9,15 +9,14 @@ disk tier when it has one)."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 from gateway.core.models.served import ServedModel
+from runtime.backend import trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -108,16 +107,4 @@ def release_memory() -> None:
         mx.clear_cache()
     except ImportError:
         pass
-    _malloc_trim()
-
-
-def _malloc_trim() -> None:
-    if not sys.platform.startswith("linux"):
-        return  # macOS's allocator returns large blocks itself; Metal buffers are not malloc's
-    try:
-        libc = ctypes.CDLL(None)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl)
-        return
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
+    trim_heap()
