@@ -635,7 +635,7 @@ EXPORT int mlxgw_small_gemm(const float *x, const float *w, float *out, int64_t 
     job.rows = rows;
     job.cols = cols;
     job.depth = depth;
-    job.chunk = 64; /* rows of w per work item */
+    job.chunk = span_items(cols, threads, 64); /* rows of w per work item */
     job.gemm_fn = gemm_generic;
 #if HAVE_X86_DISPATCH
     if (use_avx2(generic)) job.gemm_fn = gemm_avx2;

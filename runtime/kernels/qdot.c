@@ -369,6 +369,7 @@ typedef struct {
     QDot *parts;
     const float *const *bias; /* per part: (cols) floats added to each row, or NULL */
     const int64_t *first;     /* per part: its first work item; first[count] = all items */
+    const int64_t *chunk;     /* per part: features per work item */
     int32_t count;
     int64_t next;
 } QDotJob;
@@ -381,8 +382,9 @@ TARGET_QDOT static void *qdot_worker(void *arg) {
         if (item >= job->first[job->count]) break;
         while (item >= job->first[p + 1]) p++;
         const QDot *a = &job->parts[p];
-        int64_t start = (item - job->first[p]) * QDOT_CHUNK;
-        int64_t end = start + QDOT_CHUNK < a->cols ? start + QDOT_CHUNK : a->cols;
+        const int64_t size = job->chunk[p];
+        int64_t start = (item - job->first[p]) * size;
+        int64_t end = start + size < a->cols ? start + size : a->cols;
         qdot_features(a, start, end);
         const float *bias = job->bias[p];
         if (bias != NULL) {
@@ -461,7 +463,7 @@ EXPORT int mlxgw_qdot_many(const float *x, int64_t rows, int64_t in_features,
     pthread_once(&unpackers_once, build_unpackers);
     QDot parts[MAX_PARTS];
     const float *bias[MAX_PARTS];
-    int64_t first[MAX_PARTS + 1];
+    int64_t first[MAX_PARTS + 1], chunk[MAX_PARTS];
     void *owned[MAX_PARTS][3] = {{0}};
     int status = 0;
     first[0] = 0;
@@ -494,10 +496,11 @@ EXPORT int mlxgw_qdot_many(const float *x, int64_t rows, int64_t in_features,
                           in_features, pr->cols, groups, pr->bits, pr->group_size, pr->stype,
                           wide, 0};
         bias[p] = pr->bias;
-        first[p + 1] = first[p] + (pr->cols + QDOT_CHUNK - 1) / QDOT_CHUNK;
+        chunk[p] = span_items(pr->cols, threads, QDOT_CHUNK);
+        first[p + 1] = first[p] + (pr->cols + chunk[p] - 1) / chunk[p];
     }
     if (status == 0) {
-        QDotJob job = {parts, bias, first, count, 0};
+        QDotJob job = {parts, bias, first, chunk, count, 0};
         if (threads < 1) threads = 1;
         if (threads > first[count]) threads = (int32_t)first[count];
         run_threads(qdot_worker, &job, threads);
@@ -542,7 +545,7 @@ typedef struct {
     const uint32_t *w;
     const void *scales, *biases;
     float *dst;
-    int64_t n0, n1, depth, groups, next;
+    int64_t n0, n1, depth, groups, next, chunk;
     int32_t bits, group_size, stype;
 } Dequant;
 
@@ -570,9 +573,9 @@ TARGET_QDOT static void dequant_feature(const Dequant *a, int bits, int64_t n) {
 TARGET_QDOT static void *dequant_worker(void *arg) {
     Dequant *a = arg;
     for (;;) {
-        int64_t start = a->n0 + __atomic_fetch_add(&a->next, 1, __ATOMIC_RELAXED) * QDOT_CHUNK;
+        int64_t start = a->n0 + __atomic_fetch_add(&a->next, 1, __ATOMIC_RELAXED) * a->chunk;
         if (start >= a->n1) break;
-        int64_t end = start + QDOT_CHUNK < a->n1 ? start + QDOT_CHUNK : a->n1;
+        int64_t end = start + a->chunk < a->n1 ? start + a->chunk : a->n1;
         for (int64_t n = start; n < end; n++) {
             switch (a->bits) {
             case 2: dequant_feature(a, 2, n); break;
@@ -601,9 +604,10 @@ EXPORT int mlxgw_dequantize_avx2(const uint32_t *w, const void *scales, const vo
         in_features % group_size != 0)
         return 1;
     pthread_once(&unpackers_once, build_unpackers);
+    const int64_t chunk = span_items(n1 - n0, threads, QDOT_CHUNK);
     Dequant a = {w, scales, biases, dst, n0, n1, in_features, in_features / group_size, 0,
-                 bits, group_size, stype};
-    int64_t items = (n1 - n0 + QDOT_CHUNK - 1) / QDOT_CHUNK;
+                 chunk, bits, group_size, stype};
+    int64_t items = (n1 - n0 + chunk - 1) / chunk;
     if (threads < 1) threads = 1;
     if (threads > items) threads = (int32_t)items;
     run_threads(dequant_worker, &a, threads);

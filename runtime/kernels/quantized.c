@@ -230,8 +230,9 @@ TARGET_AVX2 static void qmm_avx2(const QArgs *a, QScratch *s, int64_t n0, int64_
 typedef struct {
     const QArgs *args;
     void (*fn)(const QArgs *, QScratch *, int64_t, int64_t);
-    int64_t next; /* next work item (QCHUNK features), taken with an atomic add */
-    int failed;   /* a worker could not allocate its scratch */
+    int64_t next;  /* next work item (`chunk` features), taken with an atomic add */
+    int64_t chunk; /* span_items: a multiple of QCHUNK */
+    int failed;    /* a worker could not allocate its scratch */
 } QJob;
 
 static void *qmm_worker(void *arg) {
@@ -246,9 +247,9 @@ static void *qmm_worker(void *arg) {
         __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
     } else {
         for (;;) {
-            int64_t start = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED) * QCHUNK;
+            int64_t start = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED) * job->chunk;
             if (start >= a->cols) break;
-            int64_t end = start + QCHUNK < a->cols ? start + QCHUNK : a->cols;
+            int64_t end = start + job->chunk < a->cols ? start + job->chunk : a->cols;
             job->fn(a, &s, start, end);
         }
     }
@@ -289,14 +290,14 @@ EXPORT int mlxgw_quantized_matmul(const float *x, const uint32_t *w, const void 
         xsum[i] = hsum(acc);
     }
     a.xsum = xsum;
-    QJob job = {&a, qmm_generic, 0, 0};
+    if (threads < 1) threads = 1;
+    QJob job = {&a, qmm_generic, 0, span_items(out_features, threads, QCHUNK), 0};
 #if HAVE_X86_DISPATCH
     if (use_avx2(generic)) job.fn = qmm_avx2;
 #else
     (void)generic;
 #endif
-    int64_t items = (out_features + QCHUNK - 1) / QCHUNK;
-    if (threads < 1) threads = 1;
+    int64_t items = (out_features + job.chunk - 1) / job.chunk;
     if (threads > items) threads = (int32_t)items;
     run_threads(qmm_worker, &job, threads);
     free(xsum);
@@ -308,7 +309,7 @@ EXPORT int mlxgw_quantized_matmul(const float *x, const uint32_t *w, const void 
 typedef struct {
     const QArgs *args; /* x, xsum, out and rows unused; out is dst */
     float *dst;        /* [n1 - n0, K] */
-    int64_t n0, n1, next;
+    int64_t n0, n1, next, chunk;
     void (*fn)(const QArgs *, float *, int64_t, int64_t, float *);
     int failed;
 } DJob;
@@ -364,9 +365,9 @@ static void *dq_worker(void *arg) {
         return NULL;
     }
     for (;;) {
-        int64_t start = job->n0 + __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED) * QCHUNK;
+        int64_t start = job->n0 + __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED) * job->chunk;
         if (start >= job->n1) break;
-        int64_t count = job->n1 - start < QCHUNK ? job->n1 - start : QCHUNK;
+        int64_t count = job->n1 - start < job->chunk ? job->n1 - start : job->chunk;
         job->fn(job->args, job->dst + (start - job->n0) * job->args->depth, start, count, sc);
     }
     free(sc);
@@ -384,14 +385,14 @@ EXPORT int mlxgw_dequantize(const uint32_t *w, const void *scales, const void *b
         return 1;
     QArgs a = {NULL, w, scales, biases, NULL, NULL, 0, in_features, out_features,
                in_features / group_size, bits, group_size, stype};
-    DJob job = {&a, dst, n0, n1, 0, dq_generic, 0};
+    if (threads < 1) threads = 1;
+    DJob job = {&a, dst, n0, n1, 0, span_items(n1 - n0, threads, QCHUNK), dq_generic, 0};
 #if HAVE_X86_DISPATCH
     if (use_avx2(generic)) job.fn = dq_avx2;
 #else
     (void)generic;
 #endif
-    int64_t items = (n1 - n0 + QCHUNK - 1) / QCHUNK;
-    if (threads < 1) threads = 1;
+    int64_t items = (n1 - n0 + job.chunk - 1) / job.chunk;
     if (threads > items) threads = (int32_t)items;
     run_threads(dq_worker, &job, threads);
     return job.failed ? 2 : 0;
