@@ -1,11 +1,13 @@
-"""The MLX extension's bridge: quantized products as MLX primitives on the CPU.
+"""The MLX extension's bridge: a decode step's pieces as MLX primitives on the CPU.
 
 `runtime/kernels/ext` (C++, built by setup.py with CMake against the pinned MLX and
-nanobind) registers `runtime/kernels/quantized.c` as MLX primitives, so a quantized
-model's decode step stays one lazy graph: no evaluation per layer, `mx.async_eval`
-pipelining as with any other op. MLX's own CPU quantized matmul is a scalar loop on one
-thread (0.3-1.3 tokens/s for a 0.5B model here); with these, quantized weights are the
-fast path on the CPU, and stay 4 or 8 bits in memory.
+nanobind) registers the C kernels as MLX primitives, so a model's decode step stays one
+lazy graph: no evaluation per layer, `mx.async_eval` pipelining as with any other op.
+They are the quantized products (`qmatmul`, and `qmatmuls`: several weights of one input,
+optionally a gated pair with its activation), attention (`attend`), RMSNorm and RoPE. MLX's
+own CPU quantized matmul is a scalar loop on one thread (0.3-1.3 tokens/s for a 0.5B model
+here), and its CPU `fast.rms_norm` and `fast.rope` are graphs of many element-wise ops;
+with these, quantized weights are the fast path on the CPU, and stay 4 or 8 bits in memory.
 
 `qmatmul` is what every quantized layer calls on every backend: on the CPU with the
 extension loaded, the primitive; elsewhere (Metal, CUDA, or no extension) MLX's
