@@ -49,6 +49,35 @@ INLINE float hsum(v8f v) {
     return t;
 }
 
+INLINE v8f vselect(v8i mask, v8f yes, v8f no) {
+    return (v8f)((mask & (v8i)yes) | (~mask & (v8i)no));
+}
+
+INLINE v8f vmax(v8f a, v8f b) { return vselect(a > b, a, b); }
+
+INLINE v8f vmin(v8f a, v8f b) { return vselect(a < b, a, b); }
+
+/* 2^x, about 1 ulp: x = n + f with n an integer and |f| <= 1/2, 2^f by its Taylor series
+ * to degree 6, 2^n by building the exponent bits. Exactly 0 below -126 (and for -inf and
+ * NaN, which the masked scores use); saturates at 2^127. */
+INLINE v8f vexp2(v8f x) {
+    const v8f magic = vsplat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    v8i keep = x >= vsplat(-126.0f);
+    x = vmin(vmax(x, vsplat(-126.0f)), vsplat(127.0f));
+    v8f t = x + magic;
+    v8f n = t - magic;
+    v8f f = x - n;
+    v8f p = vsplat(1.5403530393381606e-4f);
+    p = p * f + vsplat(1.3333558146428443e-3f);
+    p = p * f + vsplat(9.6181291076284772e-3f);
+    p = p * f + vsplat(5.5504108664821580e-2f);
+    p = p * f + vsplat(2.4022650695910071e-1f);
+    p = p * f + vsplat(6.9314718055994531e-1f);
+    p = p * f + vsplat(1.0f);
+    v8i bits = ((v8i)t - (v8i)magic + vsplati(127)) << 23;
+    return (v8f)((v8i)(p * (v8f)bits) & keep);
+}
+
 /* 1 where the AVX2+FMA code should run: the CPU has it and the caller did not ask for the
  * portable code (`generic`, for tests) */
 static inline int use_avx2(int generic) {

@@ -529,7 +529,13 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   a.threads = threads_;
   a.generic = generic_;
   a.starts = starts;
-  encoder.dispatch([a]() { check_status(mlxgw_attention(&a), "attention"); });
+  encoder.dispatch([a]() {
+    int status = mlxgw_attention_decode(&a);
+    if (status == 1) {
+      status = mlxgw_attention(&a);
+    }
+    check_status(status, "attention");
+  });
 }
 
 void Attention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

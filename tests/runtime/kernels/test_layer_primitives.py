@@ -134,6 +134,29 @@ def test_attention_skips_each_rows_left_padding(ext: Any) -> None:
         np.testing.assert_allclose(np.asarray(got[sl]), want, atol=2e-6)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(14, 2, 64), (9, 3, 64), (8, 8, 128)])
+@pytest.mark.parametrize("keys", [1, 7, 300, 2049])
+def test_decode_attention_equals_mlx(
+    ext: Any, heads: int, kv_heads: int, dim: int, keys: int
+) -> None:
+    """One query per sequence (the decode kernel: keys split in chunks across threads,
+    merged), batch rows from their first key."""
+    rng = np.random.default_rng(keys + heads)
+    q = mx.array(rng.standard_normal((3, heads, 1, dim), dtype=np.float32))
+    k = mx.array(rng.standard_normal((3, kv_heads, keys + 16, dim), dtype=np.float32))
+    v = mx.array(rng.standard_normal((3, kv_heads, keys + 16, dim), dtype=np.float32))
+    k, v = k[:, :, :keys], v[:, :, :keys]
+    starts = [0, keys // 2, keys - 1]
+    got = kernels.attend(q, k, v, scale=dim**-0.5, causal=True, starts=starts)
+    assert got is not None
+    for row, start in enumerate(starts):
+        sl = slice(row, row + 1)
+        want = mx.fast.scaled_dot_product_attention(
+            q[sl], k[sl, :, start:], v[sl, :, start:], scale=dim**-0.5
+        )
+        np.testing.assert_allclose(np.asarray(got[sl]), np.asarray(want), atol=3e-6)
+
+
 def test_attention_does_not_take_unequal_key_and_value_widths(ext: Any) -> None:
     q = mx.zeros((1, 2, 1, 24))
     assert kernels.attend(q, mx.zeros((1, 2, 4, 24)), mx.zeros((1, 2, 4, 16)), scale=1.0,

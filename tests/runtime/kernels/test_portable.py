@@ -16,7 +16,10 @@ ROOT = Path(__file__).resolve().parents[3]
 KERNELS = ROOT / "runtime" / "kernels"
 SOURCES = [
     Path(__file__).with_name("portable_check.c"),
-    *(KERNELS / name for name in ("kernels.c", "quantized.c", "qdot.c", "pool.c", "rows.c")),
+    *(
+        KERNELS / name
+        for name in ("kernels.c", "quantized.c", "qdot.c", "pool.c", "rows.c", "decode_attention.c")
+    ),
 ]
 
 
