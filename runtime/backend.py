@@ -133,8 +133,31 @@ def blas_choice() -> BlasChoice | None:
 
 
 def configure() -> BlasChoice:
-    """Process-entry setup: BLAS first, then MLX may be imported."""
+    """Process-entry setup: BLAS first, then MLX may be imported; large buffers mapped."""
+    map_large_buffers()
     return configure_blas()
+
+
+# glibc's mallopt parameter, and the size from which buffers are mapped on their own
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 1 << 20
+
+
+def map_large_buffers() -> None:
+    """Have glibc map every buffer of 1 MB or more on its own, so that freeing one gives
+    its memory back. MLX's CPU allocator takes its buffers from malloc; glibc raises its
+    mmap threshold as large blocks are freed (up to 32 MB), after which a prefill's
+    temporaries stay in the heap: Qwen2.5-0.5B's GGUF held 0.81 GB resident after a
+    512-token prompt, 0.72 GB with this (0.54 GB of weights). MLX's own buffer cache still
+    reuses buffers between steps, so a decode step maps nothing new."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl)
+        return
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 def on_cpu() -> bool:

@@ -217,17 +217,22 @@ void product(
   } else {
     int64_t tile = std::max<int64_t>(64, kTileFloats / depth / 64 * 64);
     tile = std::min(tile, p.cols);
-    std::unique_ptr<float[]> buffer(new float[tile * depth]);
+    // one tile buffer per thread, kept: a prompt chunk multiplies every weight through it,
+    // and a fresh 8 MB buffer per product is mapped and faulted in each time
+    thread_local std::vector<float> buffer;
+    if (buffer.size() < size_t(tile * depth)) {
+      buffer.resize(size_t(tile * depth));
+    }
     for (int64_t n0 = 0; n0 < p.cols; n0 += tile) {
       int64_t n1 = std::min(p.cols, n0 + tile);
       check_status(
           dequantize_rows(
-              p.w, p.scales, p.biases, buffer.get(), n0, n1, depth, p.cols, p.bits,
+              p.w, p.scales, p.biases, buffer.data(), n0, n1, depth, p.cols, p.bits,
               p.group_size, p.stype, threads, generic),
           "dequantize");
       cblas_sgemm(
           kRowMajor, kNoTrans, kTrans, int(rows), int(n1 - n0), int(depth), 1.0f, x,
-          int(depth), buffer.get(), int(depth), 0.0f, p.out + n0, int(p.cols));
+          int(depth), buffer.data(), int(depth), 0.0f, p.out + n0, int(p.cols));
     }
   }
   if (p.bias != nullptr) {
@@ -409,12 +414,14 @@ void QuantizedMatmul::eval_cpu(
     out.set_data(mx::allocator::malloc(out.nbytes()));
     encoder.set_output_array(out);
   }
-  // a gated pair's products go to scratch, and act(gate) * up to the output
-  std::shared_ptr<float[]> scratch;
+  // a gated pair's products go to scratch (from MLX's allocator, whose buffer cache
+  // reuses it from step to step), and act(gate) * up to the output
   if (activation_ >= 0) {
-    scratch.reset(new float[2 * rows * args[0].cols]);
-    args[0].out = scratch.get();
-    args[1].out = scratch.get() + rows * args[0].cols;
+    mx::array scratch(mx::Shape{int(2 * rows * args[0].cols)}, mx::float32, nullptr, {});
+    scratch.set_data(mx::allocator::malloc(scratch.nbytes()));
+    encoder.add_temporary(scratch);
+    args[0].out = scratch.data<float>();
+    args[1].out = scratch.data<float>() + rows * args[0].cols;
   } else {
     for (size_t i = 0; i < args.size(); i++) {
       args[i].out = outputs[i].data<float>();
@@ -422,7 +429,6 @@ void QuantizedMatmul::eval_cpu(
   }
   encoder.dispatch([xp = x.data<float>(),
                     args = std::move(args),
-                    scratch,
                     gated = activation_ >= 0 ? outputs[0].data<float>() : nullptr,
                     act = activation_,
                     rows,
