@@ -120,7 +120,7 @@ static void quantized_case(int bits, int gs, int stype, int rows, int cols, int 
     free(w), free(s32), free(b32), free(s16), free(b16), free(dense), free(x), free(out), free(dq);
 }
 
-static void attention_case(int causal, int length, int keys, int dim, int threads) {
+static void attention_case(int causal, int length, int keys, int dim, int threads, int decode) {
     const int batch = 1, hq = 4, hkv = 2;
     size_t nq = (size_t)batch * hq * length * dim, nk = (size_t)batch * hkv * keys * dim;
     float *q = malloc(nq * 4), *k = malloc(nk * 4), *v = malloc(nk * 4), *out = malloc(nq * 4);
@@ -133,7 +133,7 @@ static void attention_case(int causal, int length, int keys, int dim, int thread
                   {(int64_t)hq * length * dim, (int64_t)length * dim, dim},
                   batch, hq, hkv, length, keys, dim, 1.0f / sqrtf((float)dim), causal,
                   threads, 1, NULL};
-    int status = mlxgw_attention(&a);
+    int status = decode ? mlxgw_attention_decode(&a) : mlxgw_attention(&a);
     double worst = 0, *p = malloc((size_t)keys * sizeof(double));
     for (int h = 0; h < hq; h++)
         for (int i = 0; i < length; i++) {
@@ -157,8 +157,8 @@ static void attention_case(int causal, int length, int keys, int dim, int thread
             }
         }
     char what[96];
-    snprintf(what, sizeof what, "attention causal %d length %d keys %d dim %d", causal, length,
-             keys, dim);
+    snprintf(what, sizeof what, "%s causal %d length %d keys %d dim %d",
+             decode ? "decode attention" : "attention", causal, length, keys, dim);
     check(status == 0 && worst <= 1e-5, what, worst);
     free(q), free(k), free(v), free(out), free(p);
 }
@@ -199,9 +199,12 @@ int main(void) {
                 quantized_case(widths[wi], sizes[si], stype, 1 + (wi + si) % 5, 19, 256, 1 + wi % 3);
                 quantized_case(widths[wi], sizes[si], stype, 17, 5, 384, 2);
             }
-    attention_case(1, 33, 70, 64, 2);
-    attention_case(0, 5, 40, 32, 1);
-    attention_case(1, 1, 200, 128, 3);
+    attention_case(1, 33, 70, 64, 2, 0);
+    attention_case(0, 5, 40, 32, 1, 0);
+    attention_case(1, 1, 200, 128, 3, 0);
+    attention_case(1, 1, 200, 128, 3, 1);  /* decode: keys in chunks across threads */
+    attention_case(1, 1, 1000, 64, 2, 1);
+    attention_case(1, 1, 3, 32, 1, 1);
     gemm_and_gate_cases(2);
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
