@@ -27,6 +27,9 @@ from gateway.core.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
+# worker threads kept beyond --max-preparing's (the model loader, the debug view)
+SPARE_THREADS = 8
+
 
 def _error_response(err: APIError, path: str) -> JSONResponse:
     return JSONResponse(err.body_for(path), status_code=err.status, headers=err.headers)
@@ -110,6 +113,10 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         registry = models if isinstance(models, ModelRegistry) else _one(models)
+        # worker threads for every request in preparation, and spare ones for the model
+        # loader, the debug view and the other blocking calls
+        limiter = to_thread.current_default_thread_limiter()
+        limiter.total_tokens = max(limiter.total_tokens, settings.max_preparing + SPARE_THREADS)
         try:
             await registry.open()
             app.state.models = registry

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import templates
@@ -178,3 +180,17 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         parser=args.parser,
         kv_bits=args.kv_bits,
     )
+
+
+def http_get(url: str, key: str | None, timeout: float) -> tuple[int, bytes]:
+    """GET a running gateway's JSON endpoint (the key as a bearer token): status and body,
+    an HTTP error's too. Connection errors propagate (nothing listens there)."""
+    headers = {"accept": "application/json"}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return int(resp.status), resp.read()
+    except urllib.error.HTTPError as err:
+        return int(err.code), err.read()

@@ -13,7 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.cli.common import connectable_host, env, env_int
+from gateway.cli.common import connectable_host, env, env_int, http_get
 from gateway.cli.errors import FAILED, CliError
 
 PS_PATH = "/admin/ps"
@@ -45,24 +45,12 @@ class Server:
         return f"http://{connectable_host(self.host)}:{self.port}"
 
 
-def _get(url: str, key: str | None, timeout: float) -> tuple[int, bytes]:
-    headers = {"accept": "application/json"}
-    if key:
-        headers["authorization"] = f"Bearer {key}"
-    req = urllib.request.Request(url, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return int(resp.status), resp.read()
-    except urllib.error.HTTPError as err:
-        return int(err.code), err.read()
-
-
 def loaded_models(server: Server, timeout: float = 5.0) -> dict[str, Any] | None:
     """The body of GET /admin/ps, or None when nothing listens at the address. A wrong
     or missing key, or something else answering, is a CliError that says what to do."""
     url = server.root_url + PS_PATH
     try:
-        status, body = _get(url, server.api_key, timeout)
+        status, body = http_get(url, server.api_key, timeout)
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return None
     if status == 401:

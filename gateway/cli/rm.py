@@ -79,14 +79,30 @@ def _hub_removal(ref: RepoRef) -> Removal:
                 f"{', '.join(r.commit_hash[:12] for r in repo.revisions)})",
                 FAILED,
             )
-    strategy = cache.delete_revisions(*(r.commit_hash for r in revisions))
     which = ", ".join(r.commit_hash[:12] for r in revisions)
-    every = len(revisions) == len(repo.revisions)
+    if len(revisions) == len(repo.revisions):  # the whole repo folder
+        folder = repo.repo_path
+        return Removal(
+            what=f"'{ref.repo_id}' revision {which} ({folder})",
+            names=(ref.repo_id, str(ref)),
+            paths=(folder,),
+            size=repo.size_on_disk,
+            execute=lambda: shutil.rmtree(folder),
+        )
+    # delete_revisions matches commit hashes in every repo of the cache (a fork shares
+    # its parent's): only this repo's files may go
+    strategy = cache.delete_revisions(*(r.commit_hash for r in revisions))
+    touched = [*strategy.blobs, *strategy.refs, *strategy.repos, *strategy.snapshots]
+    if any(not Path(p).is_relative_to(repo.repo_path) for p in touched):
+        raise CliError(
+            f"revision {which} of '{ref.repo_id}' is shared with another cached repo; remove "
+            "the whole repo instead",
+            FAILED,
+        )
     return Removal(
         what=f"'{ref.repo_id}' revision {which} ({repo.repo_path})",
         names=(ref.repo_id, str(ref)),
-        # the whole repo folder when every revision goes, else just those snapshots
-        paths=(repo.repo_path,) if every else tuple(r.snapshot_path for r in revisions),
+        paths=tuple(r.snapshot_path for r in revisions),
         size=strategy.expected_freed_size,
         execute=strategy.execute,
     )

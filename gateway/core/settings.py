@@ -23,9 +23,10 @@ DEFAULT_QUANTIZE_GROUP = 64
 # memory bodies in flight can take
 DEFAULT_MAX_CONNECTIONS = 1024
 # requests rendering, tokenizing or fetching images at once, before the engine's queue;
-# beyond it a 429 with Retry-After. Below anyio's 40 worker threads, so the model loader
-# and the debug view always find one.
-DEFAULT_MAX_PREPARING = 32
+# beyond it a 429 with Retry-After. A burst of 50 clients fits (tests/gateway/
+# test_concurrency.py); the app gives anyio's thread pool this many threads and 8 more,
+# so the model loader and the debug view always find one.
+DEFAULT_MAX_PREPARING = 64
 
 
 @dataclass(frozen=True)

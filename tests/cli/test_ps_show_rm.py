@@ -24,7 +24,7 @@ from gateway.cli.main import main
 from gateway.core.models import ModelRegistry, ModelSpec, build_served
 from gateway.core.settings import ServerSettings
 from tests.support.gguf_helpers import randomize, write_gguf
-from tests.support.live_server import free_port, live_server
+from tests.support.live_server import live_server
 
 ENTRY_FIELDS: dict[str, Any] = {
     "id": {"type": "string"},
@@ -144,7 +144,7 @@ def test_ps_with_a_key_and_without_a_server(
         monkeypatch.setenv("MLX_GATEWAY_API_KEY", KEY)
         assert main(["ps", "--port", port, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["models"][0]["id"] == "tiny"
-    assert main(["ps", "--port", str(free_port())]) == 1
+    assert main(["ps", "--port", NO_SERVER_PORT]) == 1
     assert "no gateway is running" in capsys.readouterr().err
 
 
@@ -235,7 +235,10 @@ def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
-COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
+COMMIT_A, COMMIT_B, COMMIT_C = "a" * 40, "b" * 40, "c" * 40
+# a port nothing listens on: a free port found now may be taken by another test's server
+# before the command runs (as happened under the parallel suite)
+NO_SERVER_PORT = "1"
 
 
 def _cached_repos(root: Path) -> dict[str, set[str]]:
@@ -253,8 +256,8 @@ def test_rm_a_hub_snapshot(
 ) -> None:
     _hub_cache(hub_cache, "org/tiny", tiny_qwen3_dir, COMMIT_A)
     _hub_cache(hub_cache, "org/tiny", tiny_qwen3_dir, COMMIT_B)
-    _hub_cache(hub_cache, "org/other", tiny_qwen3_dir, COMMIT_A)
-    no_server = ["--port", str(free_port())]
+    _hub_cache(hub_cache, "org/other", tiny_qwen3_dir, COMMIT_C)
+    no_server = ["--port", NO_SERVER_PORT]
     # show finds it in the cache without downloading
     assert main(["show", "org/tiny", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["path"].endswith(COMMIT_B)  # refs/main
@@ -263,10 +266,10 @@ def test_rm_a_hub_snapshot(
     assert main(["rm", "org/tiny", *no_server]) == 2
     assert "without a terminal" in capsys.readouterr().err
     assert main(["rm", f"org/tiny@{COMMIT_B[:12]}", "--yes", *no_server]) == 0
-    assert _cached_repos(hub_cache) == {"org/tiny": {COMMIT_A}, "org/other": {COMMIT_A}}
+    assert _cached_repos(hub_cache) == {"org/tiny": {COMMIT_A}, "org/other": {COMMIT_C}}
     assert main(["rm", "org/tiny", "--yes", *no_server]) == 0
     assert "removed 'org/tiny'" in capsys.readouterr().out
-    assert _cached_repos(hub_cache) == {"org/other": {COMMIT_A}}
+    assert _cached_repos(hub_cache) == {"org/other": {COMMIT_C}}
     assert not (hub_cache / "models--org--tiny").exists()
     assert main(["rm", "org/tiny", "--yes", *no_server]) == 1
     assert "not in the Hugging Face cache" in capsys.readouterr().err
@@ -293,7 +296,7 @@ def test_rm_a_store_alias_and_never_a_path(
     folder = tmp_path / "home" / "models" / "smollm2-135m"
     folder.mkdir(parents=True)
     (folder / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF" + bytes(60))
-    no_server = ["--port", str(free_port())]
+    no_server = ["--port", NO_SERVER_PORT]
     assert main(["rm", str(folder), "--yes", *no_server]) == 2
     assert "is a path" in capsys.readouterr().err
     assert main(["rm", "smollm2-135m", "--yes", *no_server]) == 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TextIO
 
-from gateway.cli.common import connectable_host, requested_id
+from gateway.cli.common import connectable_host, http_get, requested_id
 from gateway.cli.launch.base import LaunchError
 from gateway.cli.progress import is_interactive
 
@@ -54,18 +54,6 @@ class Starting(Exception):
     """A gateway answers but its model is still loading (503 on /health)."""
 
 
-def _get(url: str, key: str | None, timeout: float) -> tuple[int, bytes]:
-    headers = {"accept": "application/json"}
-    if key:
-        headers["authorization"] = f"Bearer {key}"
-    req = urllib.request.Request(url, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return int(resp.status), resp.read()
-    except urllib.error.HTTPError as err:
-        return int(err.code), err.read()
-
-
 def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
@@ -98,7 +86,7 @@ def probe(endpoint: Endpoint, timeout: float = 3.0) -> Served | None:
     gateway loads, LaunchError when something else answers or the key is wrong."""
     url = endpoint.root_url
     try:
-        status, body = _get(url + "/health", None, timeout)
+        status, body = http_get(url + "/health", None, timeout)
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return None
     if status == 503:
@@ -108,7 +96,7 @@ def probe(endpoint: Endpoint, timeout: float = 3.0) -> Served | None:
             f"something that is not mlx-gateway listens at {url} (GET /health answered "
             f"{status}); pick another --port"
         )
-    status, body = _get(url + "/v1/models", endpoint.api_key, timeout)
+    status, body = http_get(url + "/v1/models", endpoint.api_key, timeout)
     if status == 401:
         raise LaunchError(
             f"the gateway at {url} wants an API key: pass --api-key or set MLX_GATEWAY_API_KEY"

@@ -414,15 +414,9 @@ void QuantizedMatmul::eval_cpu(
     out.set_data(mx::allocator::malloc(out.nbytes()));
     encoder.set_output_array(out);
   }
-  // a gated pair's products go to scratch (from MLX's allocator, whose buffer cache
-  // reuses it from step to step), and act(gate) * up to the output
-  if (activation_ >= 0) {
-    mx::array scratch(mx::Shape{int(2 * rows * args[0].cols)}, mx::float32, nullptr, {});
-    scratch.set_data(mx::allocator::malloc(scratch.nbytes()));
-    encoder.add_temporary(scratch);
-    args[0].out = scratch.data<float>();
-    args[1].out = scratch.data<float>() + rows * args[0].cols;
-  } else {
+  // a gated pair's products go to a scratch buffer of the thread that runs the task
+  // (kept, as the prefill tile is), and act(gate) * up to the output
+  if (activation_ < 0) {
     for (size_t i = 0; i < args.size(); i++) {
       args[i].out = outputs[i].data<float>();
     }
@@ -436,9 +430,18 @@ void QuantizedMatmul::eval_cpu(
                     threads = weight_bytes < kThreadBytes ? 1 : threads_,
                     generic = int(generic_),
                     small = small_rows_,
-                    x_bits = x_bits_]() {
+                    x_bits = x_bits_]() mutable {
     if (rows == 0) {
       return;
+    }
+    if (gated != nullptr) {
+      thread_local std::vector<float> scratch;
+      size_t need = size_t(2 * rows * args[0].cols);
+      if (scratch.size() < need) {
+        scratch.resize(need);
+      }
+      args[0].out = scratch.data();
+      args[1].out = scratch.data() + rows * args[0].cols;
     }
     bool done = false;
     if (rows <= small && x_bits != 0) {
