@@ -21,9 +21,9 @@ SOAK = Path(__file__).resolve().parents[1] / "support" / "soak" / "soak.py"
 @pytest.mark.real_model
 def test_a_one_minute_soak_passes(smollm2_gguf: Path, tmp_path: Path) -> None:
     figures = tmp_path / "soak.json"
-    # a minute is mostly warm-up: measured here, resident memory climbs about 7% over
-    # the first minute of concurrent load (caches and allocator arenas filling), then
-    # holds within 2%; the 5% bound is for runs past their 5-minute warm-up
+    # a minute is mostly warm-up: caches and allocator arenas are still filling, so the
+    # floor of resident memory may still climb a little (3% in a 4-minute run here);
+    # the 5% bound is for runs past their 5-minute warm-up
     argv = ["--minutes", "1", "--clients", "8", "--interval", "2", "--rss-tolerance", "0.15"]
     argv += ["--model", str(smollm2_gguf), "--json", str(figures)]
     done = subprocess.run(

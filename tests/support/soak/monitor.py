@@ -5,7 +5,6 @@ changes the server."""
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -80,6 +79,7 @@ class Monitor:
     _thread: threading.Thread | None = None
 
     def sample(self) -> Sample | None:
+        at = time.monotonic() - self.began  # when /proc was read, not when /metrics answered
         try:
             rss, fds, threads = proc_status(self.pid)
         except (OSError, KeyError, ValueError) as exc:
@@ -93,7 +93,7 @@ class Monitor:
                 metrics = read_metrics(client.get("/metrics").text)
             except (httpx.HTTPError, ValueError) as exc:
                 self.errors.append(f"/health or /metrics: {type(exc).__name__}: {exc}")
-        s = Sample(time.monotonic() - self.began, rss, fds, threads, health, metrics)
+        s = Sample(at, rss, fds, threads, health, metrics)
         self.samples.append(s)
         return s
 
@@ -130,15 +130,10 @@ class Monitor:
 
     # -- figures --
 
-    def rss_between(self, start: float, end: float) -> int | None:
-        """The median resident size of the samples taken in [start, end] seconds."""
+    def floor_between(self, start: float, end: float) -> int | None:
+        """The lowest resident size of the samples taken in [start, end] seconds."""
         values = [s.rss for s in self.samples if start <= s.at <= end]
-        return int(statistics.median(values)) if values else None
-
-    def peak_between(self, start: float, end: float) -> int | None:
-        """The highest resident size of the samples taken in [start, end] seconds."""
-        values = [s.rss for s in self.samples if start <= s.at <= end]
-        return max(values) if values else None
+        return min(values) if values else None
 
     def peak_after(self, start: float) -> int | None:
         values = [s.rss for s in self.samples if s.at >= start]
