@@ -15,7 +15,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import admin, anthropic, openai
+from gateway import admin, anthropic, openai, rerank, ui
 from gateway.admin import MetricsMiddleware
 from gateway.core.auth import ApiKeyMiddleware
 from gateway.core.errors import APIError, internal_error
@@ -91,8 +91,9 @@ def _middleware(settings: ServerSettings, metrics: Metrics) -> list[Middleware]:
 
 
 def _routes() -> list[Route]:
-    # each dialect exports its routes; the server's own endpoints come last
-    return [*openai.ROUTES, *anthropic.ROUTES, *admin.ROUTES]
+    # each dialect exports its routes; the server's own endpoints come last. The page
+    # comes first: it takes GET / from browsers only (gateway/ui/routes.py)
+    return [*ui.ROUTES, *openai.ROUTES, *anthropic.ROUTES, *rerank.ROUTES, *admin.ROUTES]
 
 
 def _one(load: Callable[[], ServedModel]) -> ModelRegistry:

@@ -10,7 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 
 def _empty_bias() -> Mapping[int, float]:
@@ -125,6 +129,10 @@ class GenerationRequest:
     boundaries: tuple[int, ...] = ()
     constraint: Constraint | None = None  # a grammar every sampled token must keep to
     images: tuple[PromptImage, ...] = ()  # in prompt order, spans not overlapping
+    # the output the client expects (OpenAI's Predicted Outputs), as tokens: drafted from
+    # first; None: the engine's setting decides whether this request drafts at all
+    prediction: tuple[int, ...] = ()
+    speculative: bool | None = None
 
 
 class FinishReason(str, Enum):
@@ -166,6 +174,10 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     peak_memory_bytes: int = 0
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted and checked
+    accepted_tokens: int = 0  # of those, the ones the model wrote too
+    accepted_prediction_tokens: int = 0  # of the prediction's tokens, the ones accepted
+    rejected_prediction_tokens: int = 0  # the prediction's tokens that were not
 
     @property
     def prefill_tps(self) -> float:
@@ -188,3 +200,33 @@ class Finished:
 
 
 GenerationEvent = TextDelta | Finished
+
+
+@dataclass(frozen=True)
+class EncodeInput:
+    """One input to an encoder: its token ids, special tokens included; for a
+    (query, document) pair, where the document's tokens (token type 1) begin."""
+
+    tokens: tuple[int, ...]
+    second_at: int | None = None
+
+
+@dataclass(frozen=True)
+class EncodeRequest(GenerationRequest):
+    """Encode `inputs` with an encoder model (runtime/engine/encoder.py): one embedding or
+    one relevance score each, nothing generated. It rides the engine's queue as a
+    generation of no tokens (`EncodeRequest.of` fills those fields)."""
+
+    inputs: tuple[EncodeInput, ...] = ()
+
+    @classmethod
+    def of(cls, inputs: tuple[EncodeInput, ...]) -> EncodeRequest:
+        return cls(prompt_tokens=(), max_tokens=0, inputs=inputs)
+
+
+@dataclass(frozen=True, eq=False)
+class Encoded(Finished):
+    """An encode request's end (reason STOP): `values` holds one float32 row per input
+    (an embedding, or a cross-encoder's score as a row of one), in input order."""
+
+    values: npt.NDArray[np.float32] | None = None

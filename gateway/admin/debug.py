@@ -1,6 +1,8 @@
 """GET /debug/prefix-cache: the prefix trie's counters, its nodes, the live pins and the
 last requests' cache reports (what each reused, and why not more). `?model=NAME` picks
-a model other than the default; a model that is not loaded has no cache to show."""
+a model other than the default; a model that is not loaded has no cache to show.
+GET /admin/state (gateway/admin/state.py) holds the same counters and pins, with the
+trie as a tree and the requests' paths through it; this view stays as it was."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ from gateway.core.settings import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_PREPARING,
     DEFAULT_MAX_TOKENS,
+    SPECULATIVE_CHOICES,
 )
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -160,6 +161,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="keep attention keys and values in 8 or 4 bits (about 3.5x / 6x less "
         "memory per token than float32, 1.9x / 3.5x less than bfloat16); the CPU reads "
         "them directly (default: $MLX_GATEWAY_KV_BITS, else none: as computed, lossless)",
+    )
+    p.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_CHOICES,
+        default=env("SPECULATIVE", "lookup"),
+        help="draft the next tokens from the conversation itself (prompt lookup: what an "
+        "agent writes back from a file it read) and check them in one forward; the "
+        "output is the same token for token, and a sequence stops drafting where it "
+        "does not pay (default: $MLX_GATEWAY_SPECULATIVE, else lookup)",
     )
     p.add_argument(
         "--template-family",

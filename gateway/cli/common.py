@@ -179,6 +179,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         template_family=args.template_family,
         parser=args.parser,
         kv_bits=args.kv_bits,
+        speculative=args.speculative,
     )
 
 

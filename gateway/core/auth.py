@@ -13,6 +13,8 @@ from gateway.core.errors import Unauthorized
 # Claude Code probes `HEAD /` and `HEAD /api/hello` without its key before it starts;
 # they answer 200 and reveal nothing
 OPEN_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/", "/api/hello"})
+# the browser page's static files (gateway/ui/): the page asks for the key itself
+OPEN_PREFIX = "/ui/"
 
 
 def presented_key(headers: Headers) -> str | None:
@@ -38,7 +40,8 @@ class ApiKeyMiddleware:
         self.api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in OPEN_PATHS or path.startswith(OPEN_PREFIX):
             await self.app(scope, receive, send)
             return
         presented = presented_key(Headers(scope=scope))

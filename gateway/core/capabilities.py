@@ -44,9 +44,17 @@ class Capabilities:
     vision: bool
     parser: str  # parsers.create name
     family: str | None  # built-in renderer family, when one is used
+    # what the model serves: "generate" (chat, completions), "embed" (/v1/embeddings) or
+    # "rerank" (/v1/rerank: a cross-encoder)
+    task: str = "generate"
+
+    @property
+    def generates(self) -> bool:
+        return self.task == "generate"
 
     def card(self) -> dict[str, Any]:
         return {
+            "task": self.task,
             "chat": self.chat,
             "tools": self.tools,
             "thinking": self.thinking,

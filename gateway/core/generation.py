@@ -82,12 +82,14 @@ def requests_for(
     boundaries: tuple[int, ...] = (),
     constraint: Constraint | None = None,
     images: tuple[PromptImage, ...] = (),
+    prediction: tuple[int, ...] = (),
 ) -> list[GenerationRequest]:
     """`pin` (a plan's CachePin) keeps the prompt's cached prefix ahead in eviction;
     `reasoning` closes the reasoning block after its budget of tokens; `boundaries`
     (where messages start) are restore points for hybrid models' prefix cache;
     `constraint` is the grammar every choice keeps to (a prepared request's);
-    `images` sit on their placeholder spans of `prompt`."""
+    `images` sit on their placeholder spans of `prompt`; `prediction`: the tokens the
+    reply is expected to repeat (drafted from)."""
     held = None if pin is None else PrefixPin(ttl=pin.ttl, key=pin.key)
     if reasoning is not None:
         sampling = dataclasses.replace(sampling, reasoning_budget=reasoning)
@@ -101,6 +103,7 @@ def requests_for(
             boundaries=boundaries,
             constraint=constraint,
             images=images,
+            prediction=prediction,
         )
         for i in range(count)
     ]

@@ -132,6 +132,16 @@ class Metrics:
             "Prompt tokens served from the prefix cache.",
             registry=r,
         )
+        self.drafted_tokens = Counter(
+            PREFIX + "speculative_drafted_tokens_total",
+            "Tokens drafted (prompt lookup, predicted outputs) and checked in one forward.",
+            registry=r,
+        )
+        self.accepted_tokens = Counter(
+            PREFIX + "speculative_accepted_tokens_total",
+            "Drafted tokens the model wrote too (each saved a decode step).",
+            registry=r,
+        )
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "From submission (queue wait included) to the first token.",
@@ -167,6 +177,8 @@ class Metrics:
     def generation_done(self, reason: FinishReason, stats: GenerationStats) -> None:
         self.finished.labels(reason=reason.value).inc()
         self.cached_tokens.inc(stats.cached_tokens)
+        self.drafted_tokens.inc(stats.drafted_tokens)
+        self.accepted_tokens.inc(stats.accepted_tokens)
         if stats.cached_tokens > 0:
             self.prefix_hits.inc()
         if stats.completion_tokens > 1 and stats.decode_seconds > 0:

@@ -53,6 +53,7 @@ class ChatPlan:
     pin: CachePin | None = None
     reasoning_budget: int | None = None  # reasoning tokens before the block is closed
     constraint: Constraint | None = None  # the answer's grammar (a response format's schema)
+    prediction: str | None = None  # the text the reply is expected to repeat (drafted from)
 
 
 @dataclass(frozen=True)

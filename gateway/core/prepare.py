@@ -39,9 +39,25 @@ class Prepared:
     boundaries: tuple[int, ...] = ()  # where each message starts, in tokens
     constraint: Constraint | None = None  # the grammar the output keeps to
     images: tuple[PromptImage, ...] = ()  # preprocessed, placed on their token spans
+    prediction: tuple[int, ...] = ()  # the plan's predicted output, as tokens
+
+
+def check_generates(served: ServedModel, endpoint: str) -> None:
+    """A 400 for an embedding model or cross-encoder asked to generate text."""
+    task = served.caps.task
+    if not served.caps.generates:
+        where = "/v1/embeddings" if task == "embed" else "/v1/rerank"
+        raise InvalidRequest(
+            f"The model {served.id!r} is an {'embedding' if task == 'embed' else 'reranking'} "
+            f"model: it generates no text, so {endpoint} cannot use it. Send it to {where}, "
+            "or name a chat model.",
+            param="model",
+            code="model_not_generative",
+        )
 
 
 def check_chat(served: ServedModel, *, param: str = "messages") -> None:
+    check_generates(served, "chat")
     if not served.caps.chat:
         raise InvalidRequest(
             f"The model {served.id!r} has no chat template, so chat messages cannot be "
@@ -114,9 +130,12 @@ def prepare(served: ServedModel, plan: ChatPlan) -> Prepared:
     images: tuple[PromptImage, ...] = ()
     if spec is not None:
         images = place_images(spec, read, tokens, plan.messages_field)
+    predicted: tuple[int, ...] = ()
+    if plan.prediction:  # drafts only: a special token in it is checked like any other
+        predicted = tuple(served.loaded.tokenizer.encode(plan.prediction, add_special_tokens=False))
     return Prepared(
         tokens, caps.parser, think, prefix, _budget(served, plan, think, inside),
-        message_starts(served, tokens), constraint, images,
+        message_starts(served, tokens), constraint, images, predicted,
     )  # fmt: skip
 
 

@@ -17,6 +17,8 @@ DEFAULT_MAX_TOKENS = 8192
 # must not import the runtime for --help)
 QUANTIZE_CHOICES = ("q4", "q8")
 QUANTIZE_GROUPS = (32, 64, 128)
+# --speculative: runtime.batch.SPECULATIVE_MODES, for the same reason
+SPECULATIVE_CHOICES = ("off", "lookup", "trie")
 DEFAULT_QUANTIZE_GROUP = 64
 # open connections served at once; beyond it a 503 with Retry-After (uvicorn's
 # limit_concurrency, answered in the dialect): with --max-body-bytes, a bound on the
@@ -95,6 +97,9 @@ class EngineSettings:
     allow_private_urls: bool = False
     # full-attention layers keep keys and values in 8 or 4 bits (None: lossless)
     kv_bits: int | None = None
+    # drafting tokens by prompt lookup, checked in one forward: "lookup" or "off" (a
+    # request's predicted output drafts either way; runtime/batch/speculative.py)
+    speculative: str = "lookup"
     # "q4" / "q8": a float source's weights quantized at load, in groups of quantize_group
     # (None: as the source stores them)
     quantize: str | None = None

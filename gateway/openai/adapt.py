@@ -288,7 +288,27 @@ def chat_plan(
         max_tokens_field="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
         pin=CachePin(key=req.prompt_cache_key) if req.prompt_cache_key else None,
         constraint=response_format(req.response_format),
+        prediction=_prediction(req.prediction),
     )
+
+
+def _prediction(prediction: wire.Prediction | None) -> str | None:
+    """Predicted Outputs' text: `{"type": "content", "content": text or text parts}`."""
+    if prediction is None:
+        return None
+    if prediction.type != "content":
+        raise InvalidRequest(
+            f"prediction type {prediction.type!r} is not supported; send "
+            '{"type": "content", "content": "..."}',
+            param="prediction.type",
+        )
+    if isinstance(prediction.content, str):
+        return prediction.content
+    if any(p.type != "text" or p.text is None for p in prediction.content):
+        raise InvalidRequest(
+            "prediction content parts must be text parts", param="prediction.content"
+        )
+    return "".join(p.text or "" for p in prediction.content)
 
 
 # -- /v1/completions -------------------------------------------------------------------

@@ -30,6 +30,7 @@ from gateway.core.generation import (
 )
 from gateway.core.http import read_model, server_settings
 from gateway.core.models import ServedModel
+from gateway.core.prepare import check_generates
 from gateway.core.preparing import prepare_off_loop
 from gateway.core.settings import ServerSettings
 from gateway.core.with_model import with_model
@@ -82,6 +83,7 @@ async def completions(request: Request) -> Response:
 
 
 async def _complete(request: Request, req: CompletionRequest, served: ServedModel) -> Response:
+    check_generates(served, "/v1/completions")
     settings = server_settings(request)
     plan = adapters.completion_plan(
         req, vocab_size=served.vocab_size, defaults=served.sampling_defaults

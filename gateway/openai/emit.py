@@ -26,6 +26,8 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     reasoning_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     def add(
         self, stats: GenerationStats, *, first_of_prompt: bool, reasoning_tokens: int = 0
@@ -35,6 +37,8 @@ class Usage:
             self.cached_tokens += stats.cached_tokens
         self.completion_tokens += stats.completion_tokens
         self.reasoning_tokens += reasoning_tokens
+        self.accepted_prediction_tokens += stats.accepted_prediction_tokens
+        self.rejected_prediction_tokens += stats.rejected_prediction_tokens
 
     def body(self) -> dict[str, Any]:
         return {
@@ -42,7 +46,11 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+            "completion_tokens_details": {
+                "reasoning_tokens": self.reasoning_tokens,
+                "accepted_prediction_tokens": self.accepted_prediction_tokens,
+                "rejected_prediction_tokens": self.rejected_prediction_tokens,
+            },
         }
 
 

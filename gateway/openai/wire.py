@@ -93,6 +93,14 @@ class SamplingFields(_Wire):
     user: str | None = None
 
 
+class Prediction(_Wire):
+    """Predicted Outputs: text the reply is expected to repeat (a file sent back with
+    an edit); drafted from, so matching tokens cost a fraction of a step."""
+
+    type: str
+    content: str | list[ContentPart]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -108,6 +116,7 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    prediction: Prediction | None = None
     # known OpenAI fields this server cannot honour: refused by name in the adapter
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -140,3 +149,14 @@ class TokenizeRequest(_Wire):
 class DetokenizeRequest(_Wire):
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(_Wire):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] | None = None  # None: float
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    # vLLM's: cut each input to this many tokens (-1: to the model's limit) instead of
+    # refusing one that is too long
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)

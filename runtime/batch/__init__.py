@@ -1,23 +1,28 @@
 """The running batch: the scheduler (admission, prefill interleaved with decode), chunk
-pacing, prompt prefill, sequences, request handles and the single-sequence loop."""
+pacing, prompt prefill, sequences, request handles, the single-sequence loop and
+speculative decoding."""
 
 from __future__ import annotations
 
+from runtime.batch.drafts import SPECULATIVE_MODES
 from runtime.batch.generate import DEFAULT_PREFILL_CHUNK, generate_tokens
 from runtime.batch.handle import RequestHandle, ThreadSink, open_handle
 from runtime.batch.pacing import FUSED_SHARE
 from runtime.batch.prompt_prefill import keeps_on_the_way
 from runtime.batch.scheduler import Scheduler, SchedulerStats
 from runtime.batch.sequence import Seq, SequenceOutput
+from runtime.batch.speculative import Speculation
 
 __all__ = [
     "DEFAULT_PREFILL_CHUNK",
     "FUSED_SHARE",
+    "SPECULATIVE_MODES",
     "RequestHandle",
     "Scheduler",
     "SchedulerStats",
     "Seq",
     "SequenceOutput",
+    "Speculation",
     "ThreadSink",
     "generate_tokens",
     "keeps_on_the_way",

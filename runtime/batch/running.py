@@ -61,6 +61,14 @@ class RunningBatch:
         longest = max(len(r.out.progress.prompt) + r.out.max_tokens for r in rows)
         return len(rows) * (longest * per_token + per_row)
 
+    def fits(self, seq: Seq, budget: int) -> bool:
+        """Whether the caches, with `seq` joined and every row at its longest, stay
+        within `budget` bytes (0: no bound; the trie gives way to them). Alone, a
+        sequence always runs: the context length bounds it."""
+        if not self.rows or not budget or not self.row_bytes[0]:
+            return True
+        return self.projected(seq) <= budget
+
     def clear(self) -> None:
         self.rows, self.caches = [], None
 

@@ -38,6 +38,7 @@ from runtime.batch.layered_prefill import LayeredChunk, LayerPace, layer_stack
 from runtime.batch.pacing import ChunkPacing, chunk_size
 from runtime.batch.running import RunningBatch
 from runtime.batch.sequence import Seq, SequenceOutput
+from runtime.batch.speculative import Speculation
 from runtime.batch.trie_link import TrieLink
 from runtime.cache import batchable
 from runtime.models.base import fusable
@@ -80,6 +81,7 @@ class Scheduler:
         prefill_chunk: int,
         memory_bytes: int = 0,
         on_begin: Callable[[Lease[Any]], None] = lambda _: None,
+        speculative: str = "off",
     ) -> None:
         self.model = model
         self.prefix = prefix
@@ -102,6 +104,7 @@ class Scheduler:
         self._queue: deque[Seq] = deque()  # admitted, prompt not yet in
         self.clock: Callable[[], float] = time.perf_counter  # times the steps and chunks
         self.stats = SchedulerStats()
+        self.speculation = Speculation(speculative)  # runtime/batch/speculative.py
 
     @property
     def trie_changed(self) -> bool:
@@ -113,6 +116,10 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return not (self.running.rows or self._queue or self._trie.writebacks)
+
+    def waiting(self) -> tuple[Seq, ...]:
+        """Admitted, prompt not in yet, first in line first (being read: has a prefill)."""
+        return tuple(self._queue)
 
     def has_room(self) -> bool:
         """One prefill at a time; the batch bounded by max_batch."""
@@ -145,13 +152,9 @@ class Scheduler:
             self._trie.write_back()
         self.pacing.settled = bool(rows) and rider is None and not prefilled  # a plain step
         self._count()
-        self._share_memory()
-        return done
-
-    def _share_memory(self) -> None:
-        """Leave the trie what the running batch, at its longest, does not need."""
-        if self.memory_bytes:
+        if self.memory_bytes:  # the trie keeps what the batch, at its longest, leaves
             self.prefix.set_limit(self.memory_bytes - self.running.projected())
+        return done
 
     def abort(
         self, reason: FinishReason, error: str | None = None
@@ -184,6 +187,8 @@ class Scheduler:
         forward, runtime/cache/ragged.py): text, a measured decode step, not layered."""
         if not (self._fuse and self.running.rows and self._queue and self.running.caches):
             return None
+        if self.speculation.verifying:  # a verify step carries no prompt chunk
+            return None
         seq = self._queue[0]
         if seq.prefill is None or seq.prefill.images is not None or seq.handle.cancelled:
             return None
@@ -209,7 +214,11 @@ class Scheduler:
         try:
             if rider is not None and prefill is not None:
                 chunk = prefill.plan(self._chunk(rider), lambda at: self._trie.pause(rider, at))
-            ended = self.running.decode(prefill, chunk, self._agree)
+            verifying = self.speculation.verifying
+            if verifying:
+                ended = self.speculation.step(self.running, self._rates()[0], self._agree)
+            else:
+                ended = self.running.decode(prefill, chunk, self._agree)
         except Exception as exc:
             log.exception("batched decode step failed")
             return self.abort(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
@@ -227,8 +236,9 @@ class Scheduler:
                 except Exception as exc:
                     log.exception("joining the batch failed")
                     return done + self.abort(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
-        else:
+        elif not verifying:  # (a verify step times itself)
             self.pacing.decode_step(took)
+        self.speculation.plan(self.running)
         return done
 
     def _leave(self, ended: list[int]) -> list[tuple[RequestHandle, Finished]]:
@@ -237,6 +247,7 @@ class Scheduler:
         done = []
         for caches, row in self.running.leave(ended):
             self._trie.keep(caches, row)
+            self.speculation.finished(row)
             done.append((row.handle, row.finished()))
         return done
 
@@ -251,7 +262,7 @@ class Scheduler:
 
     def _prefill_step(self, start: float = 0.0) -> list[tuple[RequestHandle, Finished]]:
         seq = self._queue[0]
-        if seq.prefill is None and not self._fits(seq):
+        if seq.prefill is None and not self.running.fits(seq, self.memory_bytes):
             return []  # waits (first in line) until running sequences free memory
         try:
             if seq.prefill is None:
@@ -319,14 +330,6 @@ class Scheduler:
         chunk.finish(pause)
         return self._join(seq) if seq.prefill.done else []
 
-    def _fits(self, seq: Seq) -> bool:
-        """Whether the batch's caches, with `seq` joined and every row at its longest,
-        stay within the budget (the trie gives way to them). Alone, a sequence always
-        runs: the context length bounds it."""
-        if not self.running.rows or not self.memory_bytes or not self.running.row_bytes[0]:
-            return True
-        return self.running.projected(seq) <= self.memory_bytes
-
     def _join(self, seq: Seq) -> list[tuple[RequestHandle, Finished]]:
         """The prompt (all but its last token) is in: copy the caches into the batch.
 
@@ -347,6 +350,8 @@ class Scheduler:
                 self._trie.end(seq)
                 return [(seq.handle, seq.finished())]
         self.running.join(seq, caches)  # copies them: the trie takes its live caches back
+        if batched and self.speculation.drafts(seq.request):
+            self.speculation.start(seq)
         self._queue.popleft()
         self._trie.end(seq)
         if batched:  # the trie's copy of the prompt goes; the row's is the one

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from runtime.batch.drafts import DraftCounts, DraftLength, Lookup
 from runtime.batch.generate import SampledToken, read_sampled
 from runtime.text import DetokenizerTable, StopMatcher, StreamingDetokenizer
 from runtime.types import (
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from runtime.batch.handle import RequestHandle
     from runtime.batch.layered_prefill import LayeredChunk
     from runtime.batch.prompt_prefill import PromptPrefill
+    from runtime.prefix import CacheReport
     from runtime.text import Sampler, SampleResult, TokenMatcher
     from runtime.vision.spans import PromptImages
 
@@ -46,6 +48,7 @@ class Progress:
     first_at: float | None = None
     reason: FinishReason = FinishReason.LENGTH
     stop_string: str | None = None  # the stop string that ended it, if one did
+    cache: CacheReport | None = None  # what its prompt reused from the trie, and why not more
 
 
 class SequenceOutput:
@@ -134,6 +137,13 @@ class Seq:
     unread: SampleResult | None = None  # sampled on the device, not yet read
     images: PromptImages | None = None  # its prompt's images (prefix-cache keys)
     layered: LayeredChunk | None = None  # its prompt's chunk on its way through the layers
+    # speculative decoding (runtime/batch/speculative.py): what it has written, to draft
+    # from; its draft length; what it drafted; and the tokens the next step feeds when
+    # they are known on the host (the newest sampled token last)
+    lookup: Lookup | None = None
+    drafting: DraftLength = field(default_factory=DraftLength)
+    drafts: DraftCounts = field(default_factory=DraftCounts)
+    feed: list[int] = field(default_factory=list)
 
     @property
     def request(self) -> Any:
@@ -149,20 +159,29 @@ class Seq:
         if self.unread is not None:
             sampled = read_sampled(self.unread)
             self.unread = None
-            if self.matcher is not None:
-                self.matcher.advance(sampled.token_id)
-            if self.out.accept(sampled):
+            if self.take(sampled):
                 return True
         if self.handle.cancelled:
             self.out.progress.reason = FinishReason.CANCELLED
             return True
         return False
 
+    def take(self, sampled: SampledToken) -> bool:
+        """A sampled token read back: the grammar advances, the token streams; True when
+        the sequence ended."""
+        if self.matcher is not None:
+            self.matcher.advance(sampled.token_id)
+        if self.lookup is not None:
+            self.lookup.extend((sampled.token_id,))
+        return self.out.accept(sampled)
+
     def finished(self, error: str | None = None) -> Finished:
         """Its Finished event, with the timings and token counts of its run."""
         p = self.out.progress
         end = time.perf_counter()
         first = p.first_at if p.first_at is not None else end
+        # the prediction's tokens the output wrote where the prediction had them
+        foreseen = self.lookup.foreseen if self.lookup is not None else 0
         stats = GenerationStats(
             prompt_tokens=len(p.prompt),
             completion_tokens=len(p.generated),
@@ -170,11 +189,16 @@ class Seq:
             prefill_seconds=first - self.start,
             decode_seconds=end - first,
             peak_memory_bytes=int(mx.get_peak_memory()),
+            drafted_tokens=self.drafts.drafted,
+            accepted_tokens=self.drafts.accepted,
+            accepted_prediction_tokens=foreseen,
+            rejected_prediction_tokens=len(self.request.prediction) - foreseen,
         )
         log.debug(
             "request %s: prompt=%d reused=%d computed=%d completion=%d "
-            "prefill=%.1f tok/s decode=%.1f tok/s",
+            "prefill=%.1f tok/s decode=%.1f tok/s drafted=%d accepted=%d",
             p.reason.value, stats.prompt_tokens, p.reused, stats.prompt_tokens - p.reused,
             stats.completion_tokens, stats.prefill_tps, stats.decode_tps,
+            stats.drafted_tokens, stats.accepted_tokens,
         )  # fmt: skip
         return Finished(p.reason, stats, error, stop_string=p.stop_string)

@@ -43,6 +43,7 @@ class TrieLink:
         lease = self.prefix.begin(keys, pin=req.pin, boundaries=req.boundaries)
         self._on_begin(lease)
         seq.out.progress.reused = lease.reused
+        seq.out.progress.cache = lease.report
         seq.prefill = PromptPrefill(lease, req.prompt_tokens, seq.images, keeps_inside)
         self.changed = True
 

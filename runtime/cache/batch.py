@@ -130,6 +130,14 @@ class BatchTokenCache:
         self._pos = [p + length for p in self._pos]
         return self.keys[..., :end, :], self.values[..., :end, :]
 
+    def rewind(self, n: int) -> None:
+        """Forget every row's last `n` tokens (a speculative step's rejected columns):
+        the next write lands where they were."""
+        if not 0 <= n <= self._cols - max(self._left, default=0):
+            raise ValueError(f"cannot rewind {n} of {self._cols} columns")
+        self._cols -= n
+        self._pos = [p - n for p in self._pos]
+
     def _widen(self, extra: int) -> None:
         assert self.keys is not None and self.values is not None
         b, h, _, dk = self.keys.shape
@@ -358,6 +366,10 @@ class BatchQuantizedCache:
         qk, qv = self.update_quantized(keys, values)
         return qk.dequantize(keys.shape[-1]), qv.dequantize(values.shape[-1])
 
+    def rewind(self, n: int) -> None:
+        for part in self.parts:
+            part.rewind(n)
+
     def _pair(self, k: Sequence[mx.array], v: Sequence[mx.array]) -> tuple[Quantized, Quantized]:
         bits, group = self.bits, self._group
         return Quantized(k[0], k[1], k[2], bits, group), Quantized(v[0], v[1], v[2], bits, group)
@@ -421,6 +433,18 @@ class BatchCaches:
     def remove(self, rows: Sequence[int]) -> None:
         for layer in self.layers:
             layer.remove(rows)
+
+    @property
+    def rewindable(self) -> bool:
+        """Whether every layer can forget its rows' last tokens (`rewind`): token caches
+        can; a recurrent layer's state cannot go back without its earlier states."""
+        return all(isinstance(x, (BatchTokenCache, BatchQuantizedCache)) for x in self.layers)
+
+    def rewind(self, n: int) -> None:
+        """Every row forgets its last `n` tokens in every layer."""
+        for layer in self.layers:
+            assert isinstance(layer, (BatchTokenCache, BatchQuantizedCache))
+            layer.rewind(n)
 
     def row(self, i: int) -> list[RowCache]:
         """Row `i` as per-layer caches of its own, as it leaves (copies, or the buffers

@@ -14,7 +14,15 @@ from typing import Any, TypeVar, cast
 import mlx.core as mx
 import numpy as np
 
-from runtime.batch import FUSED_SHARE, RequestHandle, Scheduler, Seq, ThreadSink, keeps_on_the_way
+from runtime.batch import (
+    FUSED_SHARE,
+    RequestHandle,
+    Scheduler,
+    Seq,
+    Speculation,
+    ThreadSink,
+    keeps_on_the_way,
+)
 from runtime.cache import LayerCache
 from runtime.prefix import Node, Plan, PrefixCache, plan_restore
 from runtime.text import Sampler, SampleResult
@@ -107,6 +115,8 @@ class LockstepScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         # a stage holds some of the layers: prompts go through whole, in token chunks
         self.layered = False
+        # ranks would have to agree on every draft and acceptance: not drafted here
+        self.speculation = Speculation(allowed=False)
         self.rates = (0.0, 0.0)  # rank 0's (decode step seconds, prefill tokens/s)
         self.share: Callable[[mx.array], mx.array] | None = None
         self.agree: Agree | None = None

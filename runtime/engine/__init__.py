@@ -4,8 +4,10 @@ the runner that serves a loaded model's batch (see engine.py's docstring)."""
 from __future__ import annotations
 
 from runtime.batch import RequestHandle
+from runtime.engine.activity import Activity, ActivityView, RequestRecord, RowView
+from runtime.engine.encoder import EncoderRunner, EncoderSettings
 from runtime.engine.engine import Engine
-from runtime.engine.runner import ModelRunner, RunnerSettings
+from runtime.engine.runner import CacheView, ModelRunner, RunnerSettings
 from runtime.engine.types import (
     BatchRunner,
     EngineFailure,
@@ -19,7 +21,12 @@ from runtime.engine.types import (
 )
 
 __all__ = [
+    "Activity",
+    "ActivityView",
     "BatchRunner",
+    "CacheView",
+    "EncoderRunner",
+    "EncoderSettings",
     "Engine",
     "EngineFailure",
     "EngineHealth",
@@ -30,6 +37,8 @@ __all__ = [
     "ModelRunner",
     "QueueFull",
     "RequestHandle",
+    "RequestRecord",
+    "RowView",
     "Runner",
     "RunnerSettings",
 ]

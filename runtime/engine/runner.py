@@ -2,7 +2,8 @@
 cache, the grammar vocabulary, and the views the admin routes read.
 
 `admit`, `step` and `abort` are called only from the engine's worker thread, the one
-thread that owns MLX; `prefix_cache_view` from any thread.
+thread that owns MLX; `prefix_cache_view`, `cache_view` and `activity.view` from any
+thread (the last two are frozen copies the worker publishes: runtime/engine/activity.py).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from runtime.batch import DEFAULT_PREFILL_CHUNK, Scheduler, SequenceOutput
+from runtime.batch import DEFAULT_PREFILL_CHUNK, SPECULATIVE_MODES, Scheduler, SequenceOutput
 from runtime.cache import KV_BITS, quantizing
-from runtime.prefix import CacheReport, DiskTier, Lease, PrefixCache, model_identity
+from runtime.engine.activity import Activity
+from runtime.prefix import CacheReport, DiskTier, Lease, PrefixCache, TrieView, model_identity
 from runtime.text import DetokenizerTable, GrammarVocabulary, Sampler, TokenMatcher
 from runtime.types import Constraint, Finished, FinishReason
 
@@ -71,19 +73,28 @@ class RunnerSettings:
     # full-attention layers keep keys and values in 8 or 4 bits (runtime/cache/quantized.py);
     # None: as computed (lossless)
     kv_bits: int | None = None
+    # whether sequences draft tokens and check them in one forward (runtime/batch/
+    # speculative.py): "lookup" (from their own prompt and output), "trie" (and from what
+    # other conversations wrote), or "off" (a request's prediction still drafts)
+    speculative: str = "lookup"
 
     def __post_init__(self) -> None:
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}")
         if self.kv_bits is not None and self.kv_bits not in KV_BITS:
             raise ValueError(f"kv_bits must be one of {KV_BITS} or None, got {self.kv_bits}")
 
 
 @dataclass(frozen=True)
-class _CacheView:
+class CacheView:
+    """The prefix cache as the worker last published it."""
+
     at: float  # wall clock when it was taken
     stats: dict[str, int]
     pins: list[dict[str, object]]
     recent: list[CacheReport]
     trie: list[str]
+    tree: TrieView
 
 
 class ModelRunner:
@@ -111,6 +122,7 @@ class ModelRunner:
         self.lock = threading.Lock()
         self._stream: Any = None
         self._settled = self._settle()  # the view a busy engine answers with
+        self.activity = Activity()  # the batch and the last requests, for the admin view
         self._grammar_vocab: GrammarVocabulary | None = None  # built on first use
         self.scheduler = self.scheduler_type(
             loaded.model,
@@ -119,7 +131,9 @@ class ModelRunner:
             max_batch=self.settings.max_batch,
             prefill_chunk=self.settings.prefill_chunk,
             memory_bytes=self.settings.cache_memory_bytes,
-            on_begin=_report_logger(loaded.tokenizer),  # not a bound method: no cycle
+            # not a bound method: no cycle
+            on_begin=_on_begin(loaded.tokenizer, self.activity),
+            speculative=self.settings.speculative,
         )
 
     def grammar_vocabulary(self) -> GrammarVocabulary:
@@ -138,10 +152,16 @@ class ModelRunner:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.loaded.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _settle(self) -> _CacheView:
-        """Copy what the prefix-cache view shows; the caller holds the lock."""
+    def _settle(self) -> CacheView:
+        """Copy what the prefix-cache views show; the caller holds the lock."""
         p = self.prefix
-        return _CacheView(time.time(), p.stats(), p.pins(), p.recent(), p.dump().splitlines())
+        dump = p.dump().splitlines()
+        return CacheView(time.time(), p.stats(), p.pins(), p.recent(), dump, p.view())
+
+    @property
+    def cache_view(self) -> CacheView:
+        """The prefix cache as it was when a step last changed it (never waits)."""
+        return self._settled
 
     def prefix_cache_view(self, wait_s: float = 0.25) -> dict[str, Any]:
         """The trie, its counters, the live pins and the last requests' cache reports
@@ -191,6 +211,8 @@ class ModelRunner:
         eos = self.loaded.eos_token_ids
         out = SequenceOutput(handle, self._detok_table, eos, min(req.max_tokens, room))
         self.scheduler.admit(handle, out, sampler, matcher)
+        self.activity.admitted(handle, out)
+        self.activity.publish(self.scheduler)
 
     def step(self) -> list[tuple[RequestHandle, Finished]]:
         """One scheduling step (a decode step for the batch, a prefill chunk)."""
@@ -202,15 +224,19 @@ class ModelRunner:
                 # a finished row's last step may still run on the device: let it end
                 # here, not at interpreter exit
                 mx.synchronize(self._stream)
-            if self.scheduler.trie_changed or done:
+            changed = self.scheduler.trie_changed or bool(done)
+            if changed:
                 self._settled = self._settle()
+            self.activity.publish(self.scheduler, done, changed=changed)
         return done
 
     def abort(
         self, reason: FinishReason, error: str | None = None
     ) -> list[tuple[RequestHandle, Finished]]:
         with self.lock:
-            return self.scheduler.abort(reason, error)
+            ended = self.scheduler.abort(reason, error)
+            self.activity.publish(self.scheduler, ended)
+            return ended
 
     def close(self) -> None:
         """Release every MLX array the runner holds (the engine has stopped)."""
@@ -218,6 +244,7 @@ class ModelRunner:
             self.scheduler.abort(FinishReason.CANCELLED, "server shutting down")
             self.prefix.close()
             self._stream = None
+            self.activity.clear()
 
     def load(self) -> tuple[int, int, int, float]:
         s = self.scheduler.stats
@@ -248,14 +275,16 @@ def _disk_tier(loaded: LoadedModel, settings: RunnerSettings) -> DiskTier | None
     )
 
 
-def _report_logger(tokenizer: Any) -> Callable[[Lease[Any]], None]:
-    """Logs each lease's cache report at debug level, token ids decoded.
+def _on_begin(tokenizer: Any, activity: Activity) -> Callable[[Lease[Any]], None]:
+    """Tells the activity of each lease and logs its cache report at debug level, token
+    ids decoded.
 
     The runner must not be reachable from its own scheduler: a reference cycle leaves it
     (and the model's arrays) to the garbage collector's last pass at interpreter exit,
     after MLX has shut down, which aborts the process."""
 
     def log_report(lease: Lease[Any]) -> None:
+        activity.began(lease)
         if lease.report is not None and log.isEnabledFor(logging.DEBUG):
             line = lease.report.log_line(
                 lambda ids: tokenizer.decode(ids, skip_special_tokens=False)

@@ -1,4 +1,5 @@
-/* Attention of one decode query per sequence over its cache (flash-decoding).
+/* Attention of decode queries over their cache (flash-decoding): one query per sequence,
+ * or a few causal ones (a speculative step's verify rows).
  *
  * mlxgw_attention (kernels.c) is built for prompt chunks: tiles of 16 query rows per KV
  * head. A decode step has one query, so a KV head has only its GQA group of rows (3 for
@@ -8,6 +9,12 @@
  * each keeps a running max, sum and output per row (online softmax, scores in log2 units),
  * and a last pass merges the chunks' partial results. The keys before `starts[b]` (a
  * batch row's left padding) are never read.
+ *
+ * A verify step feeds up to DEC_MAX_LENGTH tokens per sequence. Query l of L sees the keys
+ * up to column keys - L + l, and is split into chunks exactly as a one-query step over
+ * those keys would be (the same chunk size, the same order of the merge): its output is
+ * the bits a plain decode step of the same batch computes, so drafted tokens are checked
+ * against the logits decoding without them would have had.
  */
 
 #include <math.h>
@@ -15,20 +22,26 @@
 #include "common.h"
 #include "kernels.h"
 
-enum { DEC_MAX_ROWS = 16, DEC_MAX_DIM = 256, DEC_MIN_CHUNK = 256 };
+enum { DEC_MAX_ROWS = 16, DEC_MAX_DIM = 256, DEC_MIN_CHUNK = 256, DEC_MAX_LENGTH = 16 };
+
+typedef struct {
+    int32_t chunk;  /* keys per chunk */
+    int chunks;     /* chunks per (b, KV head) */
+    int64_t first;  /* the first work item of this query position */
+} QueryPlan;
 
 typedef struct {
     const AttnArgs *a;
-    int group, chunks;           /* rows per KV head; key chunks per (b, KV head) */
-    int32_t chunk;               /* keys per chunk */
+    int group;                   /* rows per KV head */
+    QueryPlan plan[DEC_MAX_LENGTH];
     float *part;                 /* per item and row: max, sum, then dim output floats */
     int64_t next, items;
-    void (*fn)(const AttnArgs *, int, int32_t, float *, int64_t, int);
+    void (*fn)(const AttnArgs *, const QueryPlan *, int, float *, int64_t);
 } DecodeJob;
 
-/* One chunk: rows of (b, KV head) against keys [j0, j1); writes max, sum, output. */
-INLINE void decode_chunk(const AttnArgs *a, int group, int b, int kvh, int32_t j0, int32_t j1,
-                         float *part) {
+/* One chunk: rows of (b, query qi, KV head) against keys [j0, j1); writes max, sum, output. */
+INLINE void decode_chunk(const AttnArgs *a, int group, int b, int qi, int kvh, int32_t j0,
+                         int32_t j1, float *part) {
     const int dim = a->dim, dv = dim / 8;
     const float qscale = a->scale * 1.4426950408889634f;
     const float *kp = a->k + b * a->k_strides[0] + kvh * a->k_strides[1];
@@ -36,7 +49,8 @@ INLINE void decode_chunk(const AttnArgs *a, int group, int b, int kvh, int32_t j
     v8f q[DEC_MAX_ROWS][DEC_MAX_DIM / 8], o[DEC_MAX_ROWS][DEC_MAX_DIM / 8];
     float m[DEC_MAX_ROWS], l[DEC_MAX_ROWS];
     for (int r = 0; r < group; r++) {
-        const float *qp = a->q + b * a->q_strides[0] + (int64_t)(kvh * group + r) * a->q_strides[1];
+        const float *qp = a->q + b * a->q_strides[0] +
+                          (int64_t)(kvh * group + r) * a->q_strides[1] + qi * a->q_strides[2];
         for (int d = 0; d < dv; d++) {
             q[r][d] = vload(qp + 8 * d) * vsplat(qscale);
             o[r][d] = vsplat(0.0f);
@@ -81,15 +95,27 @@ INLINE void decode_chunk(const AttnArgs *a, int group, int b, int kvh, int32_t j
     }
 }
 
-/* Work item `item` = (b, KV head, chunk): its keys, clipped to the row's [start, keys). */
-INLINE void decode_item(const AttnArgs *a, int group, int32_t chunk, float *part, int64_t item,
-                        int chunks) {
-    const int64_t bk = item / chunks;
-    const int c = (int)(item % chunks);
+/* The query position of work item `item` (the plans are in order of their first item). */
+INLINE int item_query(const AttnArgs *a, const QueryPlan *plan, int64_t item) {
+    int l = 0;
+    while (l + 1 < a->length && plan[l + 1].first <= item) l++;
+    return l;
+}
+
+/* Work item `item` = (query position, b, KV head, chunk): its keys, clipped to the row's
+ * [start, the query's own column]. */
+INLINE void decode_item(const AttnArgs *a, const QueryPlan *plan, int group, float *part,
+                        int64_t item) {
+    const int l = item_query(a, plan, item);
+    const QueryPlan *p = &plan[l];
+    const int64_t local = item - p->first;
+    const int64_t bk = local / p->chunks;
+    const int c = (int)(local % p->chunks);
     const int b = (int)(bk / a->kv_heads), kvh = (int)(bk % a->kv_heads);
     const int32_t start = a->starts != NULL ? a->starts[b] : 0;
-    int32_t j0 = start + c * chunk, j1 = j0 + chunk;
-    if (j1 > a->keys) j1 = a->keys;
+    const int32_t seen = a->keys - a->length + l + 1;
+    int32_t j0 = start + c * p->chunk, j1 = j0 + p->chunk;
+    if (j1 > seen) j1 = seen;
     float *dst = part + item * (int64_t)group * (a->dim + 2);
     if (j0 >= j1) { /* nothing left for this chunk: an empty partial result */
         for (int r = 0; r < group; r++) {
@@ -98,18 +124,18 @@ INLINE void decode_item(const AttnArgs *a, int group, int32_t chunk, float *part
         }
         return;
     }
-    decode_chunk(a, group, b, kvh, j0, j1, dst);
+    decode_chunk(a, group, b, l, kvh, j0, j1, dst);
 }
 
-static void decode_generic(const AttnArgs *a, int group, int32_t chunk, float *part,
-                           int64_t item, int chunks) {
-    decode_item(a, group, chunk, part, item, chunks);
+static void decode_generic(const AttnArgs *a, const QueryPlan *plan, int group, float *part,
+                           int64_t item) {
+    decode_item(a, plan, group, part, item);
 }
 
 #if HAVE_X86_DISPATCH
-TARGET_AVX2 static void decode_avx2(const AttnArgs *a, int group, int32_t chunk, float *part,
-                                    int64_t item, int chunks) {
-    decode_item(a, group, chunk, part, item, chunks);
+TARGET_AVX2 static void decode_avx2(const AttnArgs *a, const QueryPlan *plan, int group,
+                                    float *part, int64_t item) {
+    decode_item(a, plan, group, part, item);
 }
 #endif
 
@@ -118,32 +144,36 @@ static void *decode_worker(void *arg) {
     for (;;) {
         const int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
         if (item >= job->items) break;
-        job->fn(job->a, job->group, job->chunk, job->part, item, job->chunks);
+        job->fn(job->a, job->plan, job->group, job->part, item);
     }
     return NULL;
 }
 
-/* The chunks' partial results of (b, KV head) merged into its rows of out. */
-static void merge(const DecodeJob *job, int64_t bk) {
+/* The chunks' partial results of (query position l, b, KV head) merged into its rows of
+ * out. */
+static void merge(const DecodeJob *job, int l, int64_t bk) {
     const AttnArgs *a = job->a;
+    const QueryPlan *p = &job->plan[l];
     const int group = job->group, dim = a->dim;
     const int b = (int)(bk / a->kv_heads), kvh = (int)(bk % a->kv_heads);
     const int64_t stride = (int64_t)group * (dim + 2);
+    const float *parts = job->part + (p->first + bk * p->chunks) * stride;
     for (int r = 0; r < group; r++) {
         float top = -__builtin_inff();
-        for (int c = 0; c < job->chunks; c++) {
-            const float mc = job->part[(bk * job->chunks + c) * stride + (int64_t)r * (dim + 2)];
+        for (int c = 0; c < p->chunks; c++) {
+            const float mc = parts[c * stride + (int64_t)r * (dim + 2)];
             top = mc > top ? mc : top;
         }
-        float *out = a->out + b * a->o_strides[0] + (int64_t)(kvh * group + r) * a->o_strides[1];
+        float *out = a->out + b * a->o_strides[0] +
+                     (int64_t)(kvh * group + r) * a->o_strides[1] + l * a->o_strides[2];
         for (int d = 0; d < dim; d++) out[d] = 0.0f;
         float total = 0.0f;
-        for (int c = 0; c < job->chunks; c++) {
-            const float *p = job->part + (bk * job->chunks + c) * stride + (int64_t)r * (dim + 2);
-            if (p[1] == 0.0f) continue;
-            const float w = exp2f(p[0] - top);
-            total += p[1] * w;
-            for (int d = 0; d < dim; d++) out[d] += p[2 + d] * w;
+        for (int c = 0; c < p->chunks; c++) {
+            const float *q = parts + c * stride + (int64_t)r * (dim + 2);
+            if (q[1] == 0.0f) continue;
+            const float w = exp2f(q[0] - top);
+            total += q[1] * w;
+            for (int d = 0; d < dim; d++) out[d] += q[2 + d] * w;
         }
         const float inv = total > 0.0f ? 1.0f / total : 0.0f;
         for (int d = 0; d < dim; d++) out[d] *= inv;
@@ -151,31 +181,36 @@ static void merge(const DecodeJob *job, int64_t bk) {
 }
 
 EXPORT int mlxgw_attention_decode(const AttnArgs *a) {
-    if (a->length != 1 || a->batch < 1 || a->kv_heads < 1 || a->q_heads % a->kv_heads != 0 ||
+    if (a->length < 1 || a->length > DEC_MAX_LENGTH || (a->length > 1 && !a->causal) ||
+        a->batch < 1 || a->kv_heads < 1 || a->q_heads % a->kv_heads != 0 ||
         a->q_heads / a->kv_heads > DEC_MAX_ROWS || a->dim < 8 || a->dim % 8 != 0 ||
-        a->dim > DEC_MAX_DIM || a->keys < 1)
+        a->dim > DEC_MAX_DIM || a->keys < a->length)
         return 1;
-    int32_t longest = 0;
+    int32_t first_key = a->keys; /* the earliest first key of any row */
     for (int32_t b = 0; b < a->batch; b++) {
         const int32_t start = a->starts != NULL ? a->starts[b] : 0;
-        if (start < 0 || start >= a->keys) return 1;
-        longest = a->keys - start > longest ? a->keys - start : longest;
+        if (start < 0 || start > a->keys - a->length) return 1;
+        first_key = start < first_key ? start : first_key;
     }
     const int threads = a->threads < 1 ? 1 : a->threads;
     const int64_t heads = (int64_t)a->batch * a->kv_heads;
-    /* enough chunks for every thread to have several, none shorter than DEC_MIN_CHUNK */
-    int64_t chunks = (4 * (int64_t)threads + heads - 1) / heads;
-    const int64_t most = (longest + DEC_MIN_CHUNK - 1) / DEC_MIN_CHUNK;
-    chunks = chunks < most ? chunks : most;
-    chunks = chunks < 1 ? 1 : chunks;
-    int32_t chunk = (int32_t)((longest + chunks - 1) / chunks);
-    chunk = (chunk + 7) / 8 * 8;
     DecodeJob job = {0};
     job.a = a;
     job.group = a->q_heads / a->kv_heads;
-    job.chunks = (int)chunks;
-    job.chunk = chunk;
-    job.items = heads * chunks;
+    for (int l = 0; l < a->length; l++) {
+        /* as a one-query step over this query's keys would split them: enough chunks for
+         * every thread to have several, none shorter than DEC_MIN_CHUNK */
+        const int32_t longest = a->keys - a->length + l + 1 - first_key;
+        int64_t chunks = (4 * (int64_t)threads + heads - 1) / heads;
+        const int64_t most = (longest + DEC_MIN_CHUNK - 1) / DEC_MIN_CHUNK;
+        chunks = chunks < most ? chunks : most;
+        chunks = chunks < 1 ? 1 : chunks;
+        int32_t chunk = (int32_t)((longest + chunks - 1) / chunks);
+        job.plan[l].chunk = (chunk + 7) / 8 * 8;
+        job.plan[l].chunks = (int)chunks;
+        job.plan[l].first = job.items;
+        job.items += heads * chunks;
+    }
     job.part = malloc((size_t)job.items * job.group * (a->dim + 2) * sizeof(float));
     if (job.part == NULL) return 2;
     job.fn = decode_generic;
@@ -183,7 +218,8 @@ EXPORT int mlxgw_attention_decode(const AttnArgs *a) {
     if (use_avx2(a->generic)) job.fn = decode_avx2;
 #endif
     run_threads(decode_worker, &job, threads < job.items ? threads : (int)job.items);
-    for (int64_t bk = 0; bk < heads; bk++) merge(&job, bk);
+    for (int l = 0; l < a->length; l++)
+        for (int64_t bk = 0; bk < heads; bk++) merge(&job, l, bk);
     free(job.part);
     return 0;
 }

@@ -46,9 +46,9 @@ enum { GATE_SILU = 0, GATE_GELU_TANH = 1 };
 /* 0 on success, 1 for arguments a kernel does not handle, 2 when out of memory */
 int mlxgw_attention(const AttnArgs *a);
 int mlxgw_attention_quantized(const QAttnArgs *qa);
-/* decode_attention.c: mlxgw_attention for one query per sequence (length 1), the keys of
- * each sequence and KV head split into chunks across the threads; 1 where it does not
- * apply (longer queries, over 16 query heads per KV head, a head width not a multiple of
+/* decode_attention.c: mlxgw_attention for one query per sequence (length 1), or up to 16
+ * causal ones (verify rows), the keys of each sequence and KV head split into chunks across
+ * the threads; 1 where it does not apply (longer or non-causal query blocks, over 16 query heads per KV head, a head width not a multiple of
  * 8 or over 256). */
 int mlxgw_attention_decode(const AttnArgs *a);
 /* out = act(g) * u over n floats (kind: GATE_SILU or GATE_GELU_TANH) */

@@ -3,6 +3,13 @@ GGUF file (runtime.load.gguf), into a runtime.models architecture with its token
 
 from __future__ import annotations
 
+from runtime.load.encoder import (
+    EncoderTask,
+    LoadedEncoder,
+    ScoreActivation,
+    is_encoder,
+    load_encoder,
+)
 from runtime.load.gguf import GGUFFile, hf_config, tokenizer_from_gguf
 from runtime.load.loaded import LoadedModel, ShardHook, context_length
 from runtime.load.loader import check_quantize, load
@@ -15,13 +22,18 @@ from runtime.load.precision import (
 __all__ = [
     "DEFAULT_QUANTIZE_GROUP",
     "QUANTIZE_GROUPS",
+    "EncoderTask",
     "GGUFFile",
+    "LoadedEncoder",
     "LoadedModel",
     "QuantizeSpec",
+    "ScoreActivation",
     "ShardHook",
     "check_quantize",
     "context_length",
     "hf_config",
+    "is_encoder",
     "load",
+    "load_encoder",
     "tokenizer_from_gguf",
 ]

@@ -8,7 +8,9 @@ from types import MappingProxyType
 from typing import Any
 
 from runtime.models.base import ArgsLike, LanguageModel
+from runtime.models.encoder import EncoderArgs, EncoderModel
 from runtime.models.linear import choose_small_gemm
+from runtime.models.pooling import Pooling, PoolingMode, normalized, pool
 
 # model_type -> module under runtime.models (several types may share one module)
 _ARCHITECTURES: Mapping[str, str] = MappingProxyType(
@@ -38,6 +40,30 @@ _VISION_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
 )
 
 
+# model_type -> module, for bidirectional encoders (embedding models, cross-encoders):
+# runtime.models.encoder.EncoderModel, built by build_encoder
+_ENCODER_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
+    {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "camembert": "bert"}
+)
+
+
+def is_encoder_config(config: Mapping[str, Any]) -> bool:
+    """Whether config.json describes an encoder (served for embeddings or scores)."""
+    return str(config.get("model_type")) in _ENCODER_ARCHITECTURES
+
+
+def build_encoder(config: Mapping[str, Any]) -> EncoderModel:
+    """An encoder with uninitialised weights for a HF config dict (see build_model)."""
+    model_type = str(config.get("model_type"))
+    module_name = _ENCODER_ARCHITECTURES.get(model_type)
+    if module_name is None:
+        known = ", ".join(sorted(_ENCODER_ARCHITECTURES))
+        raise ValueError(f"unsupported encoder model_type {model_type!r}; supported: {known}")
+    module = importlib.import_module(f"runtime.models.{module_name}")
+    model: EncoderModel = module.Model(module.ModelArgs.from_config(config))
+    return model
+
+
 def supported_model_types() -> list[str]:
     return sorted(_ARCHITECTURES)
 
@@ -62,4 +88,17 @@ def build_model(config: Mapping[str, Any]) -> LanguageModel:
     return model
 
 
-__all__ = ["ArgsLike", "LanguageModel", "build_model", "supported_model_types"]
+__all__ = [
+    "ArgsLike",
+    "EncoderArgs",
+    "EncoderModel",
+    "LanguageModel",
+    "Pooling",
+    "PoolingMode",
+    "build_encoder",
+    "build_model",
+    "is_encoder_config",
+    "normalized",
+    "pool",
+    "supported_model_types",
+]

@@ -13,6 +13,7 @@ from runtime.prefix.loan import RowState
 from runtime.prefix.plan import Plan, plan_restore
 from runtime.prefix.report import CacheReport, MissReason
 from runtime.prefix.trie import ImageKey, Key, Node, image_keys
+from runtime.prefix.view import NodeView, TrieView
 
 __all__ = [
     "CacheReport",
@@ -22,9 +23,11 @@ __all__ = [
     "Lease",
     "MissReason",
     "Node",
+    "NodeView",
     "Plan",
     "PrefixCache",
     "RowState",
+    "TrieView",
     "image_keys",
     "model_identity",
     "plan_restore",

@@ -54,6 +54,7 @@ from runtime.prefix.report import CacheReport, EvictionMemory, continuation, dis
 from runtime.prefix.stats import CacheStats
 from runtime.prefix.trie import ImageKey, Key, Trie, image_keys
 from runtime.prefix.verify import verify_live
+from runtime.prefix.view import TrieView, trie_view
 from runtime.types import PrefixPin
 
 log = logging.getLogger(__name__)
@@ -338,6 +339,13 @@ class PrefixCache(LivePath[C]):
     def dump(self) -> str:
         """The trie, one node per line; `*` marks the live path."""
         return self._trie.dump(self._path)
+
+    def view(self) -> TrieView:
+        """A frozen copy of the trie's shape (runtime/prefix/view.py), with the pinned
+        nodes and the one eviction would take next; on the engine's thread."""
+        pinned = self._pins.nodes(self._trie)
+        victim = self._pick_victim({id(n) for n in self._path}, pinned)
+        return trie_view(self._trie, self._path, pinned, victim)
 
     def verify(self) -> None:
         """Raise AssertionError if an invariant is broken (for tests and debugging)."""

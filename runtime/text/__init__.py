@@ -14,6 +14,7 @@ from runtime.text.constraints import (
     lark_constraint,
 )
 from runtime.text.detokenizer import DetokenizerTable, StreamingDetokenizer
+from runtime.text.encoding import EncoderTokenizer, TextTokens, longest_first
 from runtime.text.sampling import Sampler, SampleResult
 from runtime.text.stops import StopMatcher
 from runtime.text.tokenizer import Tokenizer, read_chat_template, token_ids
@@ -21,17 +22,20 @@ from runtime.text.tokenizer import Tokenizer, read_chat_template, token_ids
 __all__ = [
     "ConstraintError",
     "DetokenizerTable",
+    "EncoderTokenizer",
     "GrammarVocabulary",
     "SampleResult",
     "Sampler",
     "StopMatcher",
     "StreamingDetokenizer",
+    "TextTokens",
     "TokenMatcher",
     "Tokenizer",
     "check",
     "json_schema_constraint",
     "json_schema_rule",
     "lark_constraint",
+    "longest_first",
     "read_chat_template",
     "token_ids",
 ]

@@ -179,6 +179,19 @@ class Sampler:
             self._inside = mx.array(self._budget.inside)
             self._spent = mx.array(0, dtype=mx.int32)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits or keeps state (no bias, penalty,
+        reasoning budget or logprobs): its token is the argmax of the raw logits, so
+        several positions can be read at once (a speculative step's verify rows)."""
+        return (
+            self._greedy
+            and self._bias is None
+            and self._counts is None
+            and self._budget is None
+            and not self.params.logprobs
+        )
+
     def sample(self, logits: mx.array, mask: mx.array | None = None) -> SampleResult:
         """`mask`: the tokens a grammar allows next, a (V,) boolean vector (the rest are
         never drawn; logprobs stay those of the unmasked distribution)."""

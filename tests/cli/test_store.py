@@ -124,7 +124,7 @@ def test_explicit_root_wins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
 
 
 def test_alias_table_is_consistent() -> None:
-    assert set(ALIASES) == {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"}
+    assert set(ALIASES) == {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "all-minilm-l6-v2"}
     for alias, spec in ALIASES.items():
         assert spec.alias == alias and len(spec.sha256) == 64 and spec.size > 0
         assert spec.description and spec.family and spec.license

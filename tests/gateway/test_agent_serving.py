@@ -34,6 +34,7 @@ from gateway.core.prepare import prepare  # noqa: E402
 from gateway.core.settings import DEFAULT_MAX_TOKENS, ServerSettings  # noqa: E402
 from gateway.openai import adapt as adapters  # noqa: E402
 from gateway.openai import wire  # noqa: E402
+from runtime.load import LoadedModel  # noqa: E402
 from runtime.load.gguf.loader import gguf_generation_config  # noqa: E402
 from runtime.load.gguf.reader import GGUFFile  # noqa: E402
 from runtime.types import PrefixPin, SamplingParams  # noqa: E402
@@ -170,6 +171,7 @@ def test_sampling_defaults_follow_generation_config() -> None:
 
 
 def test_loader_reads_the_models_sampling(served: ServedModel, tmp_path: Path) -> None:
+    assert isinstance(served.loaded, LoadedModel)
     assert served.loaded.generation_config["top_k"] == 20
     assert served.sampling_defaults == sampling_defaults(QWEN3_SAMPLING)
     path = tmp_path / "meta.gguf"

@@ -34,6 +34,7 @@ from gateway.core.models.build import build_served
 from gateway.core.models.served import ServedModel
 from runtime.engine import BatchRunner, Engine, RequestHandle, Runner
 from runtime.engine.runner import ModelRunner, RunnerSettings
+from runtime.load import LoadedModel
 from runtime.types import Finished, FinishReason, GenerationStats, TextDelta
 from tests.support.anthropic_checks import check_error, read_events
 from tests.support.live_server import free_port, live_server
@@ -100,6 +101,7 @@ class FaultyRunner(ModelRunner):
     inject: the next step raises."""
 
     def __init__(self, served: ServedModel, directory: Path | None = None) -> None:
+        assert isinstance(served.loaded, LoadedModel)  # a chat model
         super().__init__(
             served.loaded, RunnerSettings(prefill_chunk=256, prefix_cache_dir=directory)
         )

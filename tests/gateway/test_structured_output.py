@@ -273,3 +273,22 @@ def test_uncompilable_custom_tool_grammar_is_a_400(oai: openai.OpenAI) -> None:
     body: Any = err.value.body
     assert body["param"] == "tools[0].format.definition"
     assert "undefined_rule" in err.value.message
+
+
+def test_a_prediction_past_the_document_end_changes_nothing(oai: openai.OpenAI) -> None:
+    """Predicted Outputs under a schema: the prediction is the document, then text the
+    grammar refuses after its end; drafted, the refused tokens are rejected, and the
+    answer is the one written without a prediction (seeded sampling, as the others)."""
+    ask: Any = {"model": MODEL, "messages": ASK, "max_tokens": 300, "seed": 1,
+                "response_format": _json_schema(SCHEMA), "extra_body": NO_THINKING}  # fmt: skip
+    plain = oai.chat.completions.create(**ask)
+    text = plain.choices[0].message.content
+    assert text is not None
+    jsonschema.validate(json.loads(text), SCHEMA)
+    predicted = oai.chat.completions.create(
+        **ask, prediction={"type": "content", "content": text + " and then some prose."}
+    )
+    assert predicted.choices[0].message.content == text
+    details = predicted.usage.completion_tokens_details if predicted.usage else None
+    assert details is not None and details.accepted_prediction_tokens
+    assert details.rejected_prediction_tokens  # the prose after the document's end

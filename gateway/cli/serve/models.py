@@ -14,6 +14,8 @@ A config file lists `[[models]]` tables:
     quantize = "q4"                    # a float model quantized at load: q4, q8 or "none"
     quantize_group = 64                # 32, 64 or 128 (default: --quantize, --quantize-group)
     sampling = { temperature = 0.2 }   # defaults for fields a request leaves out
+    matryoshka_dimensions = [256, 128] # an embedding model's Matryoshka sizes: the
+                                       # `dimensions` /v1/embeddings accepts (default: none)
 
 The first model is the default (for requests that name none). A relative path is read
 from the file's folder. Every problem in the file is one CliError naming the file, the
@@ -40,14 +42,16 @@ from gateway.core.models import (
     SAMPLING_FIELDS,
     ModelSpec,
     ServedModel,
+    build_encoder_served,
     build_served,
     cache_budget,
+    check_dimensions,
     quantized_estimate,
     weight_file_bytes,
     weight_quantization,
 )
 from gateway.core.settings import QUANTIZE_GROUPS, EngineSettings
-from runtime.load import check_quantize, load
+from runtime.load import check_quantize, is_encoder, load, load_encoder
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -58,7 +62,7 @@ log = logging.getLogger(__name__)
 
 _KEYS = (
     "source", "id", "aliases", "template_family", "parser", "context_length", "sampling",
-    "kv_bits", "quantize", "quantize_group",
+    "kv_bits", "quantize", "quantize_group", "matryoshka_dimensions",
 )  # fmt: skip
 
 
@@ -76,6 +80,7 @@ class ModelConfig:
     kv_bits: int | Literal["default"] | None = "default"  # "default": as --kv-bits says
     quantize: str | Literal["default"] | None = "default"  # "default": as --quantize says
     quantize_group: int | None = None  # None: as --quantize-group says
+    matryoshka_dimensions: tuple[int, ...] = ()  # an embedding model's Matryoshka sizes
 
 
 def from_flags(
@@ -145,7 +150,18 @@ def _model(path: Path, index: int, table: Any) -> ModelConfig:
         kv_bits=_kv_bits(table, where),
         quantize=_quantize(table, where),
         quantize_group=_quantize_group(table, where),
+        matryoshka_dimensions=_dimensions(table, where),
     )
+
+
+def _dimensions(table: Mapping[str, Any], where: str) -> tuple[int, ...]:
+    value = table.get("matryoshka_dimensions", [])
+    ok = isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value
+    )
+    if not ok:
+        raise CliError(f"{where}.matryoshka_dimensions must be a list of positive sizes")
+    return tuple(value)
 
 
 def _quantize(table: Mapping[str, Any], where: str) -> str | Literal["default"] | None:
@@ -237,7 +253,8 @@ def model_specs(
         quantize = settings.quantize if cfg.quantize == "default" else cfg.quantize
         group = cfg.quantize_group or settings.quantize_group
         weights = quantized_estimate(weight_file_bytes(path), quantize, group)
-        cache = cache_budget(budget, weights, len(configs))
+        # an encoder keeps no KV cache (its LRU of recent rows is a few MB)
+        cache = 0 if is_encoder(path) else cache_budget(budget, weights, len(configs))
         own = dataclasses.replace(
             settings,
             template_family=cfg.template_family or settings.template_family,
@@ -277,6 +294,8 @@ def _builder(
     path: Path, model_id: str, cfg: ModelConfig, settings: EngineSettings
 ) -> Callable[[], ServedModel]:
     def build() -> ServedModel:
+        if is_encoder(path):
+            return _build_encoder(path, model_id, cfg, settings)
         loaded = load(path, quantize=weight_quantization(settings))
         if cfg.context_length is not None:
             if cfg.context_length > loaded.context_length:
@@ -295,3 +314,29 @@ def _builder(
         return served
 
     return build
+
+
+def _build_encoder(
+    path: Path, model_id: str, cfg: ModelConfig, settings: EngineSettings
+) -> ServedModel:
+    """An embedding model or cross-encoder: float weights (quantizing is for generative
+    models), its input limit lowered by a config's context_length."""
+    if settings.quantize is not None:
+        log.info("%s: an encoder keeps its float weights (--quantize is not applied)", model_id)
+    loaded = load_encoder(path)
+    if cfg.context_length is not None:
+        if cfg.context_length > loaded.max_length:
+            log.warning(
+                "%s: context_length %d is beyond the model's %d tokens an input; keeping %d",
+                model_id, cfg.context_length, loaded.max_length, loaded.max_length,
+            )  # fmt: skip
+        else:
+            loaded = dataclasses.replace(loaded, max_length=cfg.context_length)
+    try:
+        check_dimensions(loaded, cfg.matryoshka_dimensions)
+    except ValueError as exc:
+        raise CliError(f"{model_id}: {exc}") from None
+    return build_encoder_served(
+        path, model_id=model_id, aliases=cfg.aliases, settings=settings,
+        dimensions=cfg.matryoshka_dimensions, loaded=loaded,
+    )  # fmt: skip

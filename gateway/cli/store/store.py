@@ -6,7 +6,8 @@ concatenates split parts, checks the sha256, and moves the result into place ato
 A lock file per alias keeps two processes from fetching the same model at once. Hugging
 Face Hub repo ids (`org/name[@revision][:file.gguf]`) go to gateway/cli/store/hub.py and its cache.
 
-Layout: `<root>/<alias>/<filename>`; root is `$MLX_GATEWAY_HOME/models` or the user cache
+Layout: `<root>/<alias>/<filename>` (and, for a zipped model folder, the folder it unpacks
+to beside it: `<root>/<alias>/<unpack>/`, the model's path); root is `$MLX_GATEWAY_HOME/models` or the user cache
 dir (`~/.cache/mlx-gateway/models`, `~/Library/Caches/mlx-gateway/models` on macOS).
 No MLX imports here: the CLI lists and pulls models without loading a backend.
 """
@@ -262,13 +263,23 @@ class Store:
         return found
 
     def path_for(self, alias: str) -> Path:
-        """Where the alias's file lives once fetched (it may not exist yet)."""
+        """Where the alias's model lives once fetched (it may not exist yet): its file, or
+        the folder its zip unpacks to."""
+        spec = self.spec(alias)
+        return self.root / spec.alias / (spec.unpack or spec.filename)
+
+    def file_for(self, alias: str) -> Path:
+        """Where the alias's fetched file lives (the published one, sha256 checked)."""
         spec = self.spec(alias)
         return self.root / spec.alias / spec.filename
 
     def is_present(self, alias: str) -> bool:
-        """Fetched and complete. A size check only; `verify` re-hashes."""
-        path = self.path_for(alias)
+        """Fetched and complete (and unpacked). A size check only; `verify` re-hashes."""
+        unpacked = self.spec(alias).unpack is None or self.path_for(alias).is_dir()
+        return unpacked and self._file_whole(alias)
+
+    def _file_whole(self, alias: str) -> bool:
+        path = self.file_for(alias)
         try:
             return path.is_file() and path.stat().st_size == self.spec(alias).size
         except OSError:
@@ -337,13 +348,16 @@ class Store:
             # Another process may have finished the fetch while we waited for the lock.
             if self.is_present(alias) and not force:
                 return final
-            self._fetch(spec, final, stream)
+            if force or not self._file_whole(alias):
+                self._fetch(spec, self.file_for(alias), stream)
+            if spec.unpack is not None:  # (again: a killed unpack leaves no folder)
+                _unpack(self.file_for(alias), final, stream)
         return final
 
     def verify(self, alias: str) -> bool:
         """Re-hash the stored file against the published sha256."""
         spec = self.spec(alias)
-        path = self.path_for(alias)
+        path = self.file_for(alias)
         if not path.is_file():
             return False
         digest = hashlib.sha256()
@@ -410,6 +424,23 @@ class Store:
             tmp.unlink(missing_ok=True)
 
 
+def _unpack(archive: Path, folder: Path, stream: TextIO) -> None:
+    """Unpack a zipped model folder into `folder`, whole or not at all (a temporary
+    folder beside it, renamed into place)."""
+    tmp = folder.parent / f".unpack-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        with zipfile.ZipFile(archive) as zipped:
+            zipped.extractall(tmp)  # member names are sanitized: nothing lands outside
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except zipfile.BadZipFile as exc:
+        raise FetchError(f"{archive.name} is not a valid zip: {exc}") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    note(stream, f"unpacked {archive.name} into {folder}")
+
+
 def _is_model_path(path: Path) -> bool:
     try:
         if path.is_dir():
@@ -426,6 +457,6 @@ def _remove_leftovers(folder: Path) -> None:
     """Partial files and download dirs from a fetch that was killed; called under the lock."""
     for stale in folder.glob(".*.partial"):
         stale.unlink(missing_ok=True)
-    for stale in folder.glob(".download-*"):
+    for stale in [*folder.glob(".download-*"), *folder.glob(".unpack-*")]:
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)

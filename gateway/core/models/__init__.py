@@ -10,9 +10,11 @@ from gateway.core.models.build import (
     sampling_defaults,
     weight_quantization,
 )
+from gateway.core.models.encoders import build_encoder_served, check_dimensions
 from gateway.core.models.memory import (
     cache_budget,
     default_memory_budget,
+    parameter_bytes,
     quantized_estimate,
     weight_file_bytes,
 )
@@ -31,10 +33,13 @@ __all__ = [
     "ModelState",
     "ModelStatus",
     "ServedModel",
+    "build_encoder_served",
     "build_served",
     "cache_budget",
+    "check_dimensions",
     "default_memory_budget",
     "model_folder",
+    "parameter_bytes",
     "quantized_estimate",
     "sampling_defaults",
     "weight_file_bytes",

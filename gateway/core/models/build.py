@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.core.capabilities import Capabilities, detect
 from gateway.core.image_fetch import ImagePolicy
+from gateway.core.models.encoders import build_encoder_served
 from gateway.core.models.memory import MIN_CACHE_BYTES, parameter_bytes
 from gateway.core.models.served import ServedModel
 from gateway.core.settings import EngineSettings
 from runtime.engine import Engine, ModelRunner, RunnerSettings
-from runtime.load import LoadedModel, QuantizeSpec, load
+from runtime.load import LoadedEncoder, LoadedModel, QuantizeSpec, is_encoder, load
 from templates import (
     ControlStrings,
     MissingTemplateRenderer,
@@ -40,10 +41,19 @@ def build_served(
     loaded: object | None = None,
     make_runner: Callable[..., Any] | None = None,
 ) -> ServedModel:
-    """Load `path` (or reuse an already `loaded` model) and wrap it for serving.
+    """Load `path` (or reuse an already `loaded` model) and wrap it for serving (an
+    encoder folder: gateway/core/models/encoders.py).
     `make_runner(loaded, runner_settings)` builds the engine's runner in place of a
     ModelRunner (a distributed group's rank 0 leads its followers with its own)."""
     settings = settings or EngineSettings()
+    if isinstance(loaded, LoadedEncoder) or (loaded is None and is_encoder(path)):
+        return build_encoder_served(
+            path,
+            model_id=model_id,
+            aliases=aliases,
+            settings=settings,
+            loaded=loaded if isinstance(loaded, LoadedEncoder) else None,
+        )
     if isinstance(loaded, LoadedModel):
         model = loaded
     else:
@@ -54,6 +64,7 @@ def build_served(
         snapshot_interval=settings.snapshot_interval,
         max_batch=settings.max_batch,
         kv_bits=settings.kv_bits,
+        speculative=settings.speculative,
     )
     runner_settings = _runner_settings(base, model, settings, model_id)
     runner = (make_runner or ModelRunner)(model, runner_settings)

@@ -16,7 +16,7 @@ from templates import ControlStrings
 
 if TYPE_CHECKING:
     from runtime.engine import Engine, ModelRunner
-    from runtime.load import LoadedModel
+    from runtime.load import LoadedEncoder, LoadedModel
     from templates import Renderer
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class ServedModel:
     id: str
-    loaded: LoadedModel
+    # a generative model, or an encoder (caps.task "embed" or "rerank": its engine runs an
+    # EncoderRunner; gateway/core/models/encoders.py builds it)
+    loaded: LoadedModel | LoadedEncoder
     renderer: Renderer
     engine: Engine
     caps: Capabilities
@@ -38,6 +40,9 @@ class ServedModel:
     image_policy: ImagePolicy = field(default_factory=ImagePolicy)  # limits, URL fetching
     # the tokenizer's control strings: in message text they are tokenized as plain text
     controls: ControlStrings = field(default_factory=ControlStrings)
+    # an embedding model's Matryoshka sizes: the `dimensions` a request may ask for
+    # besides the full size (a --config file's matryoshka_dimensions)
+    embedding_dimensions: tuple[int, ...] = ()
 
     @property
     def context_length(self) -> int:

@@ -60,7 +60,7 @@ async def _complete(request: Request, req: ChatCompletionRequest, served: Served
     wanted = requests_for(
         prep.tokens, max_tokens, plan.sampling, plan.stop, plan.n,
         pin=plan.pin, boundaries=prep.boundaries, constraint=prep.constraint,
-        images=prep.images,
+        images=prep.images, prediction=prep.prediction,
     )  # fmt: skip
     gens = submit(served, wanted, settings, request.app.state.metrics)
     fmt = ChatStream(model=served.id)

@@ -134,6 +134,36 @@ def test_chat_fields_non_streaming_and_streaming(base_url: str, fields: dict[str
         assert usage.completion_tokens == body.usage.completion_tokens
 
 
+def test_predicted_outputs_draft_and_change_nothing(base_url: str) -> None:
+    """Predicted Outputs: a reply asked for again with itself as the prediction is the
+    same text, streamed or not, and reports the predicted tokens it accepted; a part of
+    it wrong is rejected; a prediction of another type is a 400."""
+    text = "Write the numbers from one to twenty in words, separated by commas."
+    req = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 60,
+           "temperature": 0}  # fmt: skip
+    plain = chat_body(post(base_url, CHAT, req))
+    reply = plain.choices[0].message.content
+    assert reply and plain.usage is not None and plain.usage.completion_tokens_details
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    for prediction, right in ((reply, True), (reply[: len(reply) // 2] + " zebra " * 8, False)):
+        predicted = {**req, "prediction": {"type": "content", "content": prediction}}
+        body = chat_body(post(base_url, CHAT, predicted))
+        assert body.choices[0].message.content == reply
+        details = body.usage.completion_tokens_details if body.usage else None
+        assert details is not None and details.accepted_prediction_tokens
+        if right:
+            assert details.accepted_prediction_tokens >= plain.usage.completion_tokens - 2
+        else:
+            assert details.rejected_prediction_tokens
+        sse = stream(base_url, CHAT, {**predicted, "stream_options": {"include_usage": True}})
+        assert chat_texts(chat_chunks(sse)) == {0: reply}
+    parts = {**req, "prediction": {"type": "content", "content": [{"type": "text", "text": reply}]}}
+    assert chat_body(post(base_url, CHAT, parts)).choices[0].message.content == reply
+    wrong = error_of(post(base_url, CHAT, {**req, "prediction": {"type": "audio", "content": "x"}}),
+                     400)  # fmt: skip
+    assert wrong["param"] == "prediction.type"
+
+
 def test_max_tokens_bounds_each_choice(base_url: str) -> None:
     for key in ("max_tokens", "max_completion_tokens"):
         body = chat_body(

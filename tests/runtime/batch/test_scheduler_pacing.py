@@ -47,7 +47,10 @@ class Clock:
 
 
 def _runner(folder: Path) -> tuple[ModelRunner, Scheduler, Clock]:
-    settings = RunnerSettings(prefill_chunk=64, max_batch=4, prefix_cache_bytes=0)
+    # plain decode steps only: a speculative verify step is timed apart from them
+    settings = RunnerSettings(
+        prefill_chunk=64, max_batch=4, prefix_cache_bytes=0, speculative="off"
+    )
     runner = ModelRunner(load(folder), settings)
     clock = Clock()
     runner.scheduler.clock = clock

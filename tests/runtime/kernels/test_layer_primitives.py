@@ -157,6 +157,32 @@ def test_decode_attention_equals_mlx(
         np.testing.assert_allclose(np.asarray(got[sl]), np.asarray(want), atol=3e-6)
 
 
+@pytest.mark.parametrize("length", [2, 9, 16])
+def test_verify_rows_attend_as_one_query_steps_do(ext: Any, length: int) -> None:
+    """A few causal queries per sequence (a speculative step's verify rows) run in the
+    decode kernel: each query's output equals the naive reference, and is the very bits
+    a one-query step over the same keys computes (drafted tokens are checked against
+    the logits decoding without them would have had)."""
+    rng = np.random.default_rng(length)
+    keys = 700
+    q = mx.array(rng.standard_normal((3, 14, length, 64), dtype=np.float32))
+    k = mx.array(rng.standard_normal((3, 2, keys, 64), dtype=np.float32))
+    v = mx.array(rng.standard_normal((3, 2, keys, 64), dtype=np.float32))
+    starts = [0, 300, keys - length]
+    got = kernels.attend(q, k, v, scale=0.125, causal=True, starts=starts)
+    assert got is not None
+    for i in range(length):
+        seen = keys - length + i + 1
+        one = kernels.attend(q[:, :, i : i + 1], k[:, :, :seen], v[:, :, :seen], scale=0.125,
+                             causal=True, starts=starts)  # fmt: skip
+        assert one is not None
+        assert np.array_equal(np.asarray(got[:, :, i : i + 1]), np.asarray(one))
+    for row, start in enumerate(starts):
+        sl = slice(row, row + 1)
+        want = _reference(q[sl], k[sl, :, start:], v[sl, :, start:], True)
+        np.testing.assert_allclose(np.asarray(got[sl]), want, atol=3e-6)
+
+
 def test_attention_does_not_take_unequal_key_and_value_widths(ext: Any) -> None:
     q = mx.zeros((1, 2, 1, 24))
     assert kernels.attend(q, mx.zeros((1, 2, 4, 24)), mx.zeros((1, 2, 4, 16)), scale=1.0,

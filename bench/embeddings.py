@@ -1,0 +1,246 @@
+"""Embeddings per second: the gateway's /v1/embeddings against sentence-transformers on
+PyTorch (CPU), all-MiniLM-L6-v2, in one run (issue 30).
+
+1,000 sentences of 5-60 words (seeded), embedded
+
+1. by the gateway (`mlx-gateway serve --model all-minilm-l6-v2`, its own process on
+   127.0.0.1), sent as one request of 1,000 inputs, and as 1,000 concurrent single-input
+   requests (every request in flight at once, each on its own connection, from a lean
+   asyncio client: httpx's own cost per request is about the server's); base64, as the
+   OpenAI SDK asks. The encoder's cache of recent embeddings is defeated: each round's sentences
+   carry a round tag, so nothing is served from it;
+2. by sentence-transformers in this process: `encode(sentences)` (batches of 32, its
+   default) and one `encode([s])` per sentence, on torch's threads (all cores).
+
+Each is run --rounds times alternating, the best round kept (the machine may be shared:
+the ratios measured in the same run are the result). Every gateway vector is checked
+against sentence-transformers' (cosine >= 0.9999).
+
+Target (issue 30): gateway >= 1.0x sentence-transformers, both ways of sending.
+
+    python bench/embeddings.py [--sentences 1000] [--rounds 3] [--json out.json]
+
+The model comes from `mlx-gateway pull all-minilm-l6-v2`. llama.cpp's embedding mode is
+not measured here (it needs a GGUF conversion of the model from llama.cpp's sources).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+
+from bench._servers import ServerSpec, _free_port, running  # noqa: E402
+
+ALIAS = "all-minilm-l6-v2"
+WORDS = [
+    "agent",
+    "memory",
+    "search",
+    "file",
+    "note",
+    "project",
+    "meeting",
+    "budget",
+    "river",
+    "mountain",
+    "city",
+    "train",
+    "question",
+    "answer",
+    "model",
+    "vector",
+    "server",
+    "client",
+    "request",
+    "response",
+    "python",
+    "function",
+    "error",
+    "yesterday",
+    "tomorrow",
+    "quickly",
+    "slowly",
+    "important",
+    "small",
+    "large",
+    "new",
+    "old",
+    "first",
+    "last",
+    "every",
+    "the",
+    "a",
+    "of",
+    "to",
+    "in",
+    "on",
+    "for",
+    "with",
+    "and",
+    "or",
+    "not",
+    "is",
+    "are",
+    "was",
+    "were",
+    "be",
+    "been",
+    "this",
+    "that",
+    "these",
+    "those",
+    "remember",
+    "find",
+    "compare",
+    "rank",
+    "write",
+    "read",
+    "send",
+    "open",
+    "close",
+    "build",
+    "test",
+    "deploy",
+    "review",
+]
+
+
+def sentences(count: int, seed: int = 30) -> list[str]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        words = rng.choice(WORDS, size=int(rng.integers(5, 61)))
+        out.append(" ".join(str(w) for w in words).capitalize() + ".")
+    return out
+
+
+def _vectors(body: dict[str, Any]) -> np.ndarray:
+    rows = sorted(body["data"], key=lambda d: d["index"])
+    return np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in rows])
+
+
+def one_request(base: str, texts: Sequence[str]) -> np.ndarray:
+    body = {"model": ALIAS, "input": list(texts), "encoding_format": "base64"}
+    r = httpx.post(f"{base}/v1/embeddings", json=body, timeout=600)
+    r.raise_for_status()
+    return _vectors(r.json())
+
+
+async def _post(host: str, port: int, path: str, payload: bytes) -> bytes:
+    """One POST on a connection of its own, read to its end: a lean HTTP/1.1 client, so
+    the client's own cost (httpx spends milliseconds a request, on the same cores as
+    the server) stays out of the server's measurement."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+        )
+        writer.write(head.encode("ascii") + payload)
+        await writer.drain()
+        response = await reader.read()
+    finally:
+        writer.close()
+    status_line, _, rest = response.partition(b"\r\n")
+    if b" 200 " not in status_line:
+        raise RuntimeError(f"{status_line.decode()}: {rest[-300:]!r}")
+    return rest.partition(b"\r\n\r\n")[2]
+
+
+def concurrent_requests(base: str, texts: Sequence[str]) -> np.ndarray:
+    """Every text as its own request, all in flight at once."""
+    url = httpx.URL(base)
+    host, port = str(url.host), int(url.port or 80)
+
+    async def main() -> list[np.ndarray]:
+        async def one(text: str) -> np.ndarray:
+            body = {"model": ALIAS, "input": text, "encoding_format": "base64"}
+            raw = await _post(host, port, "/v1/embeddings", json.dumps(body).encode())
+            return _vectors(json.loads(raw))[0]
+
+        return list(await asyncio.gather(*(one(t) for t in texts)))
+
+    return np.stack(asyncio.run(main()))
+
+
+def timed(run: Callable[[], np.ndarray]) -> tuple[float, np.ndarray]:
+    started = time.perf_counter()
+    out = run()
+    return time.perf_counter() - started, out
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sentences", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    from gateway.cli.store.store import Store  # the store, without loading MLX here
+
+    folder = Store().resolve(ALIAS)
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(folder), device="cpu")
+    port = _free_port()
+    cmd = (sys.executable, "-m", "gateway.cli.main", "serve", "--model", ALIAS,
+           "--host", "127.0.0.1", "--port", str(port))  # fmt: skip
+    spec = ServerSpec("gateway", "f32 + BLAS", cmd, ALIAS, "/health")
+    best: dict[str, float] = {}
+    worst_cosine = 1.0
+    with tempfile.TemporaryDirectory() as tmp, running(spec, port, Path(tmp) / "gw.log") as base:
+        one_request(base, ["warm up the encoder"])  # loads the model
+        for r in range(args.rounds):
+            texts = [f"{s} (round {r})" for s in sentences(args.sentences)]
+            reference = st.encode(texts)
+            runs: dict[str, Callable[[], np.ndarray]] = {
+                "gateway, one request": lambda t=texts: one_request(base, t),
+                "gateway, concurrent singles": lambda t=[f"{s}!" for s in texts]: (
+                    concurrent_requests(base, t)
+                ),
+                "sentence-transformers, encode(batch 32)": lambda t=texts: st.encode(t),
+                "sentence-transformers, one at a time": lambda t=texts: np.stack(
+                    [st.encode([s])[0] for s in t]
+                ),
+            }
+            for name, run in runs.items():
+                seconds, vectors = timed(run)
+                best[name] = min(best.get(name, float("inf")), seconds)
+                if name == "gateway, one request":
+                    worst_cosine = min(worst_cosine, float(_cosines(vectors, reference).min()))
+                print(f"round {r + 1}: {name}: {args.sentences / seconds:.1f}/s", flush=True)
+    rates = {name: args.sentences / s for name, s in best.items()}
+    peer = rates["sentence-transformers, encode(batch 32)"]
+    print(f"\nall-MiniLM-L6-v2, {args.sentences} sentences of 5-60 words, best of "
+          f"{args.rounds} (torch threads {torch.get_num_threads()})\n")  # fmt: skip
+    print("| way | embeddings/s | vs sentence-transformers batch |")
+    print("|---|---:|---:|")
+    for name, rate in rates.items():
+        print(f"| {name} | {rate:.1f} | {rate / peer:.2f}x |")
+    print(f"\nworst cosine, gateway against sentence-transformers: {worst_cosine:.6f}")
+    if args.json:
+        args.json.write_text(json.dumps({"rates": rates, "worst_cosine": worst_cosine}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

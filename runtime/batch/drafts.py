@@ -1,0 +1,183 @@
+"""Speculative decoding's drafts: the tokens a sequence will likely write next, found in
+what is already written, and how many of them a step should check.
+
+An agent's output repeats its context: the file it read and now writes back with an
+edit, the path and the old string a tool call quotes. `Lookup` finds the longest recent
+n-gram ending the sequence (its prompt and output) elsewhere in it, or in the client's
+predicted output (OpenAI's Predicted Outputs, searched first), and proposes what followed
+there. Drafting is deterministic (a draft is one token, not a distribution), so a step
+checks a drafted token by sampling that position as decoding would and comparing: the
+output is the one decoding without drafts gives, token for token, at any temperature.
+
+`DraftLength` decides how many tokens a row drafts. A verify step over L tokens per row
+costs about `1 + beta * (L - 1)` plain steps (beta measured on the running batch); with
+a per-token acceptance p, k drafted tokens yield `(1 - p^(k+1)) / (1 - p)` tokens. The
+row drafts the k that yields most per cost, and nothing where no k beats a plain step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.batch.history import SharedHistory
+
+MAX_DRAFT = 8  # tokens a row drafts at most in one step
+LONGEST_NGRAM = 4  # the suffix lengths tried, longest first
+SHORTEST_NGRAM = 2
+PROBE_AFTER = 32  # steps without a draft before a row that stopped drafting tries again
+# off: only a request's predicted output drafts; lookup: its own sequence too; trie: and
+# what other conversations wrote (runtime/batch/history.py)
+SPECULATIVE_MODES = ("off", "lookup", "trie")
+
+
+class Lookup:
+    """Prompt lookup over one sequence's tokens and its predicted output."""
+
+    def __init__(
+        self,
+        tokens: Sequence[int],
+        prediction: Sequence[int] = (),
+        output_at: int | None = None,
+        shared: SharedHistory | None = None,
+    ) -> None:
+        """`tokens`: the prompt and what the sequence wrote so far, which starts at
+        `output_at` (default: nothing written yet); `shared`: other conversations'
+        tokens, searched last."""
+        self._shared = shared
+        self._buf = np.zeros(max(64, 2 * len(tokens)), dtype=np.int32)
+        self._n = 0
+        self._prediction = np.asarray(prediction, dtype=np.int32)
+        self._predicted_at = 0  # the prediction's token the output is expected to write next
+        # while the output is the prediction's beginning, the rest of it is the draft
+        self._aligned = len(self._prediction) > 0
+        self._output_at = len(tokens) if output_at is None else output_at
+        self.foreseen = 0  # output tokens the prediction had where they were written
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The sequence so far (a view: read, do not keep)."""
+        return self._buf[: self._n]
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Tokens the sequence wrote (accepted ones only)."""
+        start, need = self._n, self._n + len(tokens)
+        if need > len(self._buf):
+            grown = np.zeros(max(need, 2 * len(self._buf)), dtype=np.int32)
+            grown[: self._n] = self._buf[: self._n]
+            self._buf = grown
+        self._buf[start:need] = tokens
+        self._n = need
+        pred = self._prediction
+        for i in range(max(start, self._output_at), need):
+            at = self._predicted_at
+            if at < len(pred) and pred[at] == self._buf[i]:
+                self.foreseen += 1
+                self._predicted_at = at + 1
+            else:
+                self._aligned = False
+
+    def propose(self, k: int) -> Draft:
+        """Up to `k` tokens that followed the longest n-gram ending the sequence, at its
+        most recent earlier occurrence: in the prediction first, then in the sequence."""
+        if k <= 0:
+            return Draft()
+        if self._aligned:
+            at = self._predicted_at
+            return Draft(tuple(int(t) for t in self._prediction[at : at + k]), True)
+        if self._n < SHORTEST_NGRAM:
+            return Draft()
+        tokens = self._buf[: self._n]
+        for n in range(min(LONGEST_NGRAM, self._n), SHORTEST_NGRAM - 1, -1):
+            suffix = tokens[self._n - n :]
+            # in the prediction, the match nearest after where the last one left off (a
+            # prediction is read in order; text that repeats has several matches)
+            hits = _matches(self._prediction, len(self._prediction), suffix)
+            if len(hits):
+                ahead = hits[hits + n >= self._predicted_at]
+                at = int(ahead[0] if len(ahead) else hits[-1])
+                follow = self._prediction[at + n : at + n + k]
+                if len(follow):
+                    self._predicted_at = at + n
+                    return Draft(tuple(int(t) for t in follow), True)
+            hits = _matches(tokens, self._n - 1, suffix)
+            if len(hits):  # in the sequence, the latest
+                at = int(hits[-1])
+                return Draft(tuple(int(t) for t in tokens[at + n : at + n + k]), False)
+        if self._shared is not None:
+            return Draft(self._shared.propose(tokens, k), False)
+        return Draft()
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Drafted tokens, and whether they came from the client's predicted output."""
+
+    tokens: tuple[int, ...] = ()
+    predicted: bool = False
+
+
+def _matches(source: np.ndarray, limit: int, suffix: np.ndarray) -> np.ndarray:
+    """The starts of the occurrences of `suffix` that end before `limit` in `source`,
+    in order (the sequence's own suffix is not a match of itself)."""
+    n = len(suffix)
+    if limit < n:
+        return np.zeros(0, dtype=np.int64)
+    hits = np.flatnonzero(source[: limit - n + 1] == suffix[0])
+    for i in range(1, n):
+        if not len(hits):
+            break
+        hits = hits[source[hits + i] == suffix[i]]
+    return hits
+
+
+@dataclass
+class DraftLength:
+    """One row's acceptance, and the draft length it pays for (module docstring)."""
+
+    accepted: float = 0.5  # per-token acceptance, a running estimate
+    idle: int = 0  # steps since the row last drafted
+
+    def choose(self, beta: float, limit: int = MAX_DRAFT) -> int:
+        """The draft length with the most tokens per unit of step cost; 0 where drafting
+        does not beat a plain step. A row that stopped drafting tries one token now and
+        then (`skip` counts the steps): its text may have reached a part that repeats
+        its context, and a good match lifts the estimate fast."""
+        p = min(self.accepted, 0.99)
+        best, best_gain = 0, 1.0
+        for k in range(1, max(0, limit) + 1):
+            gain = (1.0 - p ** (k + 1)) / (1.0 - p) / (1.0 + beta * k)
+            if gain > best_gain * 1.02:
+                best, best_gain = k, gain
+        if best == 0 and self.idle >= PROBE_AFTER and limit >= 1:
+            return 1
+        return best
+
+    def skip(self) -> None:
+        """A step in which the row drafted nothing."""
+        self.idle += 1
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A verify step's outcome: `accepted` of `drafted` tokens matched. Each drafted
+        token checked is a trial; a rejection ends the trials of that step."""
+        if drafted <= 0:
+            return
+        if self.idle >= PROBE_AFTER:  # a probe: judge from here on
+            self.accepted = max(self.accepted, 0.5)
+        self.idle = 0
+        trials = accepted + (1 if accepted < drafted else 0)
+        self.accepted += (accepted / trials - self.accepted) * 0.4
+
+
+@dataclass
+class DraftCounts:
+    """A sequence's drafting, for its usage and the server's counters."""
+
+    drafted: int = 0
+    accepted: int = 0

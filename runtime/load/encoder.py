@@ -1,0 +1,236 @@
+"""Loading an encoder for serving: a HF folder of a BERT-family model
+(runtime/models/bert.py) with sentence-transformers' files, into a `LoadedEncoder`.
+
+What sentence-transformers reads, read the same way:
+
+- modules.json lists the pipeline: a Transformer (the folder, or a sub-folder), a
+  Pooling module (its config.json: the `pooling_mode_*` flags) and optionally Normalize.
+  Any other module (Dense, LayerNorm, ...) is refused by name: serving it without would
+  give different vectors.
+- sentence_bert_config.json: `max_seq_length` (the tokens an input may hold, special
+  tokens included; 256 for all-MiniLM-L6-v2) and `do_lower_case` (inputs lower-cased
+  before tokenizing).
+- Without modules.json, an embedding folder gets mean pooling, unnormalized (what
+  sentence-transformers does for a plain transformers checkpoint), and the limit is the
+  tokenizer's model_max_length, capped by the model's positions.
+
+A *ForSequenceClassification checkpoint is a cross-encoder: it scores (query, document)
+pairs, its activation from config.json's `sentence_transformers.activation_fn`
+(sentence-transformers 4+), else a sigmoid for one label, as CrossEncoder applies.
+
+The tokenizer's own truncation and padding (tokenizer.json may set both) are turned
+off: inputs are measured, refused or truncated by runtime/text/encoding.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from runtime.backend import trim_heap
+from runtime.load.loaded import resolve_dtype
+from runtime.models import EncoderModel, Pooling, build_encoder, is_encoder_config
+from runtime.text import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class EncoderTask(str, Enum):
+    EMBED = "embed"  # one vector per input
+    SCORE = "score"  # one relevance score per (query, document) pair
+
+
+class ScoreActivation(str, Enum):
+    SIGMOID = "sigmoid"
+    IDENTITY = "identity"  # the head's raw logit
+
+
+_ST_MODULE = "sentence_transformers.models."
+_ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": ScoreActivation.SIGMOID,
+    "torch.nn.modules.linear.Identity": ScoreActivation.IDENTITY,
+}
+
+
+@dataclass(frozen=True)
+class LoadedEncoder:
+    model: EncoderModel
+    tokenizer: Tokenizer
+    config: dict[str, Any]
+    task: EncoderTask
+    # tokens one input (or query + document pair) may hold, special tokens included
+    max_length: int
+    name: str
+    source: Path
+    dtype: str
+    pooling: Pooling | None = None  # EMBED
+    activation: ScoreActivation = ScoreActivation.SIGMOID  # SCORE
+    lowercase: bool = False  # sentence-transformers' do_lower_case
+    load_seconds: float = 0.0
+    quantized: bool = False
+    vision: None = None  # an encoder reads text only
+
+    @property
+    def context_length(self) -> int:
+        return self.max_length
+
+    @property
+    def weight_format(self) -> str:
+        return self.dtype
+
+    @property
+    def width(self) -> int:
+        """An embedding's size (EMBED); the head's outputs (SCORE)."""
+        args = self.model.args
+        if self.pooling is None:
+            return args.num_labels
+        return self.pooling.width(args.hidden_size)
+
+
+def is_encoder(source: str | Path) -> bool:
+    """Whether `source` is a folder holding an encoder (config.json's model_type)."""
+    file = Path(source).expanduser() / "config.json"
+    if not file.is_file():
+        return False
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and is_encoder_config(config)
+
+
+def load_encoder(source: str | Path, *, dtype: str | None = None) -> LoadedEncoder:
+    """Load an encoder folder (see the module docstring); `dtype` as runtime.load.load."""
+    started = time.perf_counter()
+    folder = Path(source).expanduser()
+    config = _read_json(folder / "config.json")
+    if config is None:
+        raise FileNotFoundError(f"{folder} has no config.json")
+    dtype_name, mx_dtype = resolve_dtype(dtype)
+    model = build_encoder(config)
+    weights = _read_weights(folder)
+    weights = {
+        k: v.astype(mx_dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in weights.items()
+    }
+    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    weights.clear()
+    mx.eval(model.parameters())
+    tokenizer = Tokenizer.from_folder(folder)
+    tokenizer.hf.no_truncation()
+    tokenizer.hf.no_padding()
+    limit = _default_limit(folder, model)
+    if model.args.num_labels:
+        loaded = LoadedEncoder(
+            model, tokenizer, config, EncoderTask.SCORE, limit, folder.name, folder, dtype_name,
+            activation=_activation(config, model.args.num_labels),
+        )  # fmt: skip
+    else:
+        loaded = _embedding(folder, model, tokenizer, config, limit, dtype_name)
+    trim_heap()
+    seconds = time.perf_counter() - started
+    log.info("loaded encoder %s in %.1f s (%s, %s)", folder, seconds, loaded.task.value, dtype_name)
+    return replace(loaded, load_seconds=seconds)
+
+
+def _embedding(
+    folder: Path,
+    model: EncoderModel,
+    tokenizer: Tokenizer,
+    config: dict[str, Any],
+    limit: int,
+    dtype: str,
+) -> LoadedEncoder:
+    modules = _read_json(folder / "modules.json", list)
+    if modules is None:
+        log.warning("%s has no modules.json: mean pooling, not normalized", folder)
+        pooling, lowercase = Pooling(), False
+    else:
+        pooling, bert_config = _pipeline(folder, modules)
+        limit = min(int(bert_config.get("max_seq_length") or limit), model.args.max_positions)
+        lowercase = bool(bert_config.get("do_lower_case", False))
+    return LoadedEncoder(
+        model, tokenizer, config, EncoderTask.EMBED, limit, folder.name, folder, dtype,
+        pooling=pooling, lowercase=lowercase,
+    )  # fmt: skip
+
+
+def _pipeline(folder: Path, modules: list[Any]) -> tuple[Pooling, Mapping[str, Any]]:
+    """The Pooling (with Normalize) and the Transformer's sentence_bert_config.json."""
+    pooling_config: Mapping[str, Any] | None = None
+    bert_config: Mapping[str, Any] = {}
+    normalize = False
+    for module in modules:
+        kind = str(module.get("type", "")) if isinstance(module, Mapping) else ""
+        path = folder / str(module.get("path", "")) if isinstance(module, Mapping) else folder
+        name = kind.removeprefix(_ST_MODULE)
+        if name == "Transformer":
+            bert_config = _read_json(path / "sentence_bert_config.json") or {}
+        elif name == "Pooling":
+            pooling_config = _read_json(path / "config.json")
+            if pooling_config is None:
+                raise ValueError(f"{path} has no config.json for its Pooling module")
+        elif name == "Normalize":
+            normalize = True
+        else:
+            raise ValueError(
+                f"{folder}: the sentence-transformers module {kind!r} is not supported "
+                "(Transformer, Pooling and Normalize are)"
+            )
+    if pooling_config is None:
+        raise ValueError(f"{folder}: modules.json lists no Pooling module")
+    return Pooling.from_config(pooling_config, normalize=normalize), bert_config
+
+
+def _activation(config: Mapping[str, Any], labels: int) -> ScoreActivation:
+    st = config.get("sentence_transformers")
+    name = st.get("activation_fn") if isinstance(st, Mapping) else None
+    if name is not None:
+        if name not in _ACTIVATIONS:
+            raise ValueError(f"cross-encoder activation_fn {name!r} is not supported")
+        return _ACTIVATIONS[str(name)]
+    if labels != 1:
+        raise ValueError(
+            f"a cross-encoder with {labels} labels is a classifier; relevance scores need one"
+        )
+    return ScoreActivation.SIGMOID
+
+
+def _default_limit(folder: Path, model: EncoderModel) -> int:
+    """tokenizer_config.json's model_max_length where it is sane, capped by positions."""
+    positions = model.args.max_positions
+    value = (_read_json(folder / "tokenizer_config.json") or {}).get("model_max_length")
+    if isinstance(value, int) and 0 < value < positions:
+        return value
+    return positions
+
+
+def _read_weights(folder: Path) -> dict[str, mx.array]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors weights")
+    weights: dict[str, mx.array] = {}
+    for file in files:
+        loaded = mx.load(str(file))
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{file}: expected a safetensors mapping")
+        weights.update(loaded)
+    return weights
+
+
+def _read_json(file: Path, kind: type = dict) -> Any:
+    """A JSON file's value when it is a `kind`; None when the file is missing."""
+    if not file.is_file():
+        return None
+    value = json.loads(file.read_text(encoding="utf-8"))
+    if not isinstance(value, kind):
+        raise ValueError(f"{file} is not a JSON {kind.__name__}")
+    return value
