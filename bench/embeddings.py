@@ -10,7 +10,12 @@ PyTorch (CPU), all-MiniLM-L6-v2, in one run (issue 30).
    OpenAI SDK asks. The encoder's cache of recent embeddings is defeated: each round's sentences
    carry a round tag, so nothing is served from it;
 2. by sentence-transformers in this process: `encode(sentences)` (batches of 32, its
-   default) and one `encode([s])` per sentence, on torch's threads (all cores).
+   default) and one `encode([s])` per sentence (on the first --single-sample sentences:
+   its per-call cost makes 1,000 calls take minutes on a busy machine), on torch's
+   threads (all cores);
+3. with --chat ALIAS: that chat model's stream (greedy, --chat-tokens) alone, and beside
+   a 1,000-input embedding request on the same server: its decode tokens/s and gaps
+   while the request runs (bench/_embed_interference.py).
 
 Each is run --rounds times alternating, the best round kept (the machine may be shared:
 the ratios measured in the same run are the result). Every gateway vector is checked
@@ -18,7 +23,8 @@ against sentence-transformers' (cosine >= 0.9999).
 
 Target (issue 30): gateway >= 1.0x sentence-transformers, both ways of sending.
 
-    python bench/embeddings.py [--sentences 1000] [--rounds 3] [--json out.json]
+    python bench/embeddings.py [--sentences 1000] [--rounds 3] [--single-sample 100]
+        [--chat smollm2-135m] [--chat-tokens 400] [--json out.json]
 
 The model comes from `mlx-gateway pull all-minilm-l6-v2`. llama.cpp's embedding mode is
 not measured here (it needs a GGUF conversion of the model from llama.cpp's sources).
@@ -34,6 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +50,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
+import bench._embed_interference as interference  # noqa: E402
 from bench._servers import ServerSpec, _free_port, running  # noqa: E402
 
 ALIAS = "all-minilm-l6-v2"
@@ -183,6 +191,10 @@ def timed(run: Callable[[], np.ndarray]) -> tuple[float, np.ndarray]:
     return time.perf_counter() - started, out
 
 
+def _one_by_one(st: Any, texts: Sequence[str]) -> np.ndarray:
+    return np.stack([st.encode([s])[0] for s in texts])
+
+
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
@@ -191,6 +203,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sentences", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--single-sample", type=int, default=100)
+    parser.add_argument("--chat", help="also: this chat model's stream beside an embedding request")
+    parser.add_argument("--chat-tokens", type=int, default=400)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -205,30 +220,29 @@ def main() -> int:
     cmd = (sys.executable, "-m", "gateway.cli.main", "serve", "--model", ALIAS,
            "--host", "127.0.0.1", "--port", str(port))  # fmt: skip
     spec = ServerSpec("gateway", "f32 + BLAS", cmd, ALIAS, "/health")
-    best: dict[str, float] = {}
+    best: dict[str, float] = {}  # embeddings/s
     worst_cosine = 1.0
     with tempfile.TemporaryDirectory() as tmp, running(spec, port, Path(tmp) / "gw.log") as base:
         one_request(base, ["warm up the encoder"])  # loads the model
         for r in range(args.rounds):
             texts = [f"{s} (round {r})" for s in sentences(args.sentences)]
             reference = st.encode(texts)
+            singles = [f"{s}!" for s in texts]  # not in the encoder's cache of recent rows
+            sample = texts[: args.single_sample]  # torch's per-call cost: 1,000 take minutes
             runs: dict[str, Callable[[], np.ndarray]] = {
-                "gateway, one request": lambda t=texts: one_request(base, t),
-                "gateway, concurrent singles": lambda t=[f"{s}!" for s in texts]: (
-                    concurrent_requests(base, t)
-                ),
-                "sentence-transformers, encode(batch 32)": lambda t=texts: st.encode(t),
-                "sentence-transformers, one at a time": lambda t=texts: np.stack(
-                    [st.encode([s])[0] for s in t]
-                ),
+                "gateway, one request": partial(one_request, base, texts),
+                "gateway, concurrent singles": partial(concurrent_requests, base, singles),
+                "sentence-transformers, encode(batch 32)": partial(st.encode, texts),
+                "sentence-transformers, one at a time": partial(_one_by_one, st, sample),
             }
             for name, run in runs.items():
                 seconds, vectors = timed(run)
-                best[name] = min(best.get(name, float("inf")), seconds)
+                rate = len(vectors) / seconds
+                best[name] = max(best.get(name, 0.0), rate)
                 if name == "gateway, one request":
                     worst_cosine = min(worst_cosine, float(_cosines(vectors, reference).min()))
-                print(f"round {r + 1}: {name}: {args.sentences / seconds:.1f}/s", flush=True)
-    rates = {name: args.sentences / s for name, s in best.items()}
+                print(f"round {r + 1}: {name}: {rate:.1f}/s", flush=True)
+    rates = best
     peer = rates["sentence-transformers, encode(batch 32)"]
     print(f"\nall-MiniLM-L6-v2, {args.sentences} sentences of 5-60 words, best of "
           f"{args.rounds} (torch threads {torch.get_num_threads()})\n")  # fmt: skip
@@ -237,9 +251,33 @@ def main() -> int:
     for name, rate in rates.items():
         print(f"| {name} | {rate:.1f} | {rate / peer:.2f}x |")
     print(f"\nworst cosine, gateway against sentence-transformers: {worst_cosine:.6f}")
+    result: dict[str, Any] = {"rates": rates, "worst_cosine": worst_cosine}
+    if args.chat:
+        result["chat"] = _chat_part(args)
     if args.json:
-        args.json.write_text(json.dumps({"rates": rates, "worst_cosine": worst_cosine}, indent=1))
+        args.json.write_text(json.dumps(result, indent=1))
     return 0
+
+
+def _chat_part(args: argparse.Namespace) -> dict[str, float]:
+    """A chat stream alone and beside a 1,000-input embedding request, on one server."""
+    port = _free_port()
+    cmd = (sys.executable, "-m", "gateway.cli.main", "serve", "--model", args.chat,
+           "--model", ALIAS, "--host", "127.0.0.1", "--port", str(port))  # fmt: skip
+    spec = ServerSpec("gateway", "f32 + BLAS", cmd, args.chat, "/health")
+    with tempfile.TemporaryDirectory() as tmp, running(spec, port, Path(tmp) / "gw.log") as base:
+        one_request(base, ["warm up the encoder"])
+        texts = [f"{s} (beside a chat stream)" for s in sentences(args.sentences)]
+        out = interference.measure(
+            base, args.chat, args.chat_tokens, partial(one_request, base), texts
+        )
+    print(f"\n{args.chat} streaming ({args.chat_tokens} tokens at most) beside a "
+          f"{args.sentences}-input embedding request:\n")  # fmt: skip
+    print("| measure | value |")
+    print("|---|---:|")
+    for name, value in out.items():
+        print(f"| {name} | {value:.1f} |")
+    return out
 
 
 if __name__ == "__main__":

@@ -278,7 +278,11 @@ def test_usage_counts_the_prompt_once_per_prompt() -> None:
     body = totals.body()
     assert (body["prompt_tokens"], body["completion_tokens"], body["total_tokens"]) == (10, 8, 18)
     assert body["prompt_tokens_details"] == {"cached_tokens": 4}
-    assert body["completion_tokens_details"] == {"reasoning_tokens": 1}
+    assert body["completion_tokens_details"] == {
+        "reasoning_tokens": 1,
+        "accepted_prediction_tokens": 0,
+        "rejected_prediction_tokens": 0,
+    }
 
 
 def test_legacy_logprobs_offsets() -> None:

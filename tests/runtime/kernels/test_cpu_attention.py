@@ -115,12 +115,12 @@ def test_kernel_matches_mlx_attention(
     got = cpu_kernels.attention(q, k, v, scale=shape[-1] ** -0.5, causal=causal)
     assert got is not None and got.shape == q.shape
     np.testing.assert_allclose(np.array(got), _mlx_attention(q, k, v, mask, monkeypatch), atol=ATOL)
-    # and through the dispatch every model uses
-    np.testing.assert_allclose(
-        np.array(base.attention(q, k, v, scale=shape[-1] ** -0.5, mask=mask)),
-        np.array(got),
-        atol=0,
-    )
+    # and through the dispatch every model uses: the same kernel, except that a causal
+    # block of up to 16 queries (a speculative step's verify rows) runs in the decode
+    # kernel (tests/runtime/kernels/test_layer_primitives.py), its keys split otherwise
+    dispatched = np.array(base.attention(q, k, v, scale=shape[-1] ** -0.5, mask=mask))
+    same_kernel = not causal or length > 16
+    np.testing.assert_allclose(dispatched, np.array(got), atol=0 if same_kernel else ATOL)
 
 
 def test_strided_cache_views(built: Any, monkeypatch: pytest.MonkeyPatch) -> None:
