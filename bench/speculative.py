@@ -155,7 +155,10 @@ def _llama(path: Path, jobs: dict[str, list[GenerationRequest]], lookup: bool) -
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
-    llm = llama_cpp.Llama(str(path), n_ctx=8192, n_threads=2, verbose=False, draft_model=draft)
+    # a draft model needs every position's logits (llama-cpp-python verifies on the host)
+    llm = llama_cpp.Llama(
+        str(path), n_ctx=8192, n_threads=2, verbose=False, draft_model=draft, logits_all=lookup
+    )
     results = {}
     for name, requests in jobs.items():
         if len(requests) > 1:

@@ -9,10 +9,10 @@ there. Drafting is deterministic (a draft is one token, not a distribution), so 
 checks a drafted token by sampling that position as decoding would and comparing: the
 output is the one decoding without drafts gives, token for token, at any temperature.
 
-`DraftLength` decides how many tokens a row drafts. A verify step over L tokens per row
-costs about `1 + beta * (L - 1)` plain steps (beta measured on the running batch); with
-a per-token acceptance p, k drafted tokens yield `(1 - p^(k+1)) / (1 - p)` tokens. The
-row drafts the k that yields most per cost, and nothing where no k beats a plain step.
+`DraftLength` keeps a row's acceptance: with a per-token acceptance p, k drafted tokens
+yield `expected(p, k) = (1 - p^(k+1)) / (1 - p)` tokens. How many tokens the rows of a
+batch draft is decided for the batch (runtime/batch/speculative.py): every row pads to
+the longest draft, and a verify step costs more than a plain one.
 """
 
 from __future__ import annotations
@@ -144,20 +144,18 @@ class DraftLength:
     accepted: float = 0.5  # per-token acceptance, a running estimate
     idle: int = 0  # steps since the row last drafted
 
-    def choose(self, beta: float, limit: int = MAX_DRAFT) -> int:
-        """The draft length with the most tokens per unit of step cost; 0 where drafting
-        does not beat a plain step. A row that stopped drafting tries one token now and
-        then (`skip` counts the steps): its text may have reached a part that repeats
-        its context, and a good match lifts the estimate fast."""
-        p = min(self.accepted, 0.99)
-        best, best_gain = 0, 1.0
-        for k in range(1, max(0, limit) + 1):
-            gain = (1.0 - p ** (k + 1)) / (1.0 - p) / (1.0 + beta * k)
-            if gain > best_gain * 1.02:
-                best, best_gain = k, gain
-        if best == 0 and self.idle >= PROBE_AFTER and limit >= 1:
-            return 1
-        return best
+    @property
+    def probing(self) -> bool:
+        """A row that drafted nothing for a while tries again (`skip` counts the steps):
+        its text may have reached a part that repeats its context, and a good match
+        lifts the estimate fast."""
+        return self.idle >= PROBE_AFTER
+
+    def expected(self, k: int) -> float:
+        """Tokens a step yields with `k` drafted tokens (the corrected or bonus one too)."""
+        p = max(0.5, self.accepted) if self.probing else self.accepted
+        p = min(p, 0.99)
+        return (1.0 - p ** (k + 1)) / (1.0 - p)
 
     def skip(self) -> None:
         """A step in which the row drafted nothing."""

@@ -25,7 +25,7 @@ back to pipelined decode (runtime/batch/running.py) as soon as no row drafts.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -49,23 +49,26 @@ class SpecStats:
     steps: int = 0  # verify steps taken
     drafted: int = 0
     accepted: int = 0
-    # a verify step of L tokens per row costs about 1 + beta * (L - 1) plain steps, per
-    # batch size (one row: 0.3 with Qwen2.5-0.5B on 2 EPYC cores; eight: about 0.9, the
-    # small-row kernels' time grows with the rows); the prior until measured
-    prior: float = 0.35
-    betas: dict[int, float] = field(default_factory=dict)
-    measure: bool = True  # False: the prior holds (tests pin the cost model)
+    # A step's forward costs a fixed part and a part per token row (the small-row
+    # kernels' time grows with the rows): with `ratio` the cost of a token row over the
+    # fixed part, a verify step of B rows of L tokens costs 1 + beta(B) * (L - 1) plain
+    # steps, beta(B) = B * ratio / (1 + B * ratio). Measured on the running batch;
+    # Qwen2.5-0.5B on 2 EPYC cores: beta(1) 0.3, so ratio 0.45 and beta(8) 0.78.
+    ratio: float = 0.45
+    measure: bool = True  # False: the ratio holds (tests pin the cost model)
+    # a verify step is synchronous: the host's work no longer overlaps the forward
+    sync: float = 0.08
 
     def beta(self, rows: int) -> float:
-        return self.betas.get(rows, self.prior)
+        return rows * self.ratio / (1.0 + rows * self.ratio)
 
     def measured(self, rows: int, length: int, took: float, plain: float) -> None:
         """A verify step of `rows` rows of `length` tokens took `took` seconds from its
         forward to its last sample; a plain step takes `plain`."""
         if self.measure and length > 1 and plain > 0:
-            sample = max(0.02, (took / plain - 1.0) / (length - 1))
-            beta = self.beta(rows)
-            self.betas[rows] = beta + (sample - beta) * 0.2
+            beta = min(0.95, max(0.02, (took / plain - 1.0) / (length - 1)))
+            sample = beta / (rows * (1.0 - beta))
+            self.ratio += (sample - self.ratio) * 0.2
 
 
 class Speculation:
@@ -129,19 +132,38 @@ def can_speculate(batch: RunningBatch) -> bool:
 
 def wants_drafts(batch: RunningBatch, stats: SpecStats) -> bool:
     """Whether the next step should be a verify step: some row has known tokens to feed
-    again, or a draft worth checking (after a pipelined step, judged without the token
+    again, or drafts worth checking (after a pipelined step, judged without the token
     still on its way: a match at the sequence's end is what makes one likely)."""
-    wanted = False
-    for row in batch.rows:
-        if len(row.feed) > 1:
-            wanted = True
-        elif row.lookup is not None:
-            k = row.drafting.choose(stats.beta(len(batch.rows)), _room(row))
-            if k and row.lookup.propose(k).tokens:
-                wanted = True
-            else:
-                row.drafting.skip()
-    return wanted
+    if any(len(row.feed) > 1 for row in batch.rows):
+        return True
+    return any(d.tokens for d in plan_drafts(batch.rows, stats))
+
+
+def plan_drafts(rows: list[Seq], stats: SpecStats) -> list[Draft]:
+    """Each row's draft for one step, the batch's draft length chosen together: every
+    row pads to the longest, so a length is worth what all rows expect to gain from it
+    (a row without a draft gains nothing) against what the step costs, and nothing is
+    drafted where no length beats a plain step. Within the budget of rows x L tokens."""
+    offers = [row.lookup.propose(_room(row)) if row.lookup is not None else Draft() for row in rows]
+    known = max(len(row.feed) for row in rows) if rows else 1
+    top = min(VERIFY_LENGTH, max(VERIFY_ROWS // max(1, len(rows)), 1)) - known
+    beta = stats.beta(len(rows))
+    best, value = 0, float(len(rows))  # a plain step: a token a row, at cost 1
+    for k in range(1, max(0, top) + 1):
+        gain = sum(
+            row.drafting.expected(min(k, len(d.tokens))) if d.tokens else 1.0
+            for row, d in zip(rows, offers, strict=True)
+        )
+        worth = gain / (1.0 + stats.sync + beta * (known - 1 + k))
+        if worth > value * 1.02:
+            best, value = k, worth
+    out = []
+    for row, d in zip(rows, offers, strict=True):
+        kept = Draft(d.tokens[:best], d.predicted)
+        if not kept.tokens:
+            row.drafting.skip()
+        out.append(kept)
+    return out
 
 
 def _room(row: Seq) -> int:
@@ -175,7 +197,7 @@ def verify_step(
     if ended:
         return ended, 0  # they leave first: no columns are written for them
     began = time.perf_counter()  # after the reads: a pipelined step's wait is not ours
-    drafts = _drafts(rows, stats)
+    drafts = plan_drafts(rows, stats)
     if all(len(r.feed) == 1 and not d.tokens for r, d in zip(rows, drafts, strict=True)):
         # nothing to check after all: a plain step, pipelined again from here
         for row in rows:
@@ -219,28 +241,6 @@ def verify_step(
     stats.steps += 1
     stats.measured(len(rows), length, time.perf_counter() - began, plain)
     return ended, length
-
-
-def _drafts(rows: list[Seq], stats: SpecStats) -> list[Draft]:
-    """Each row's draft, within the step's budget of rows x L tokens."""
-    wanted = []
-    for row in rows:
-        beta = stats.beta(len(rows))
-        k = row.drafting.choose(beta, _room(row)) if row.lookup is not None else 0
-        draft = row.lookup.propose(k) if k and row.lookup is not None else Draft()
-        if not draft.tokens:
-            row.drafting.skip()
-        wanted.append(draft)
-    # every row pads to the longest: shorten the longest drafts until the step fits
-    while True:
-        length = max(len(r.feed) + len(d.tokens) for r, d in zip(rows, wanted, strict=True))
-        if length <= VERIFY_LENGTH and length * len(rows) <= max(VERIFY_ROWS, len(rows)):
-            return wanted
-        longest = max(range(len(rows)), key=lambda j: len(rows[j].feed) + len(wanted[j].tokens))
-        d = wanted[longest]
-        if not d.tokens:
-            return wanted  # only known tokens left: they are fed whatever it costs
-        wanted[longest] = Draft(d.tokens[:-1], d.predicted)
 
 
 def _check(row: Seq, draft: Draft, logits: mx.array) -> tuple[bool, int, int, int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ import pytest
 
 from runtime.batch.drafts import PROBE_AFTER, Draft, DraftLength, Lookup
 from runtime.batch.history import SharedHistory
+from runtime.batch.speculative import SpecStats, plan_drafts
 from runtime.engine import Engine
 from runtime.engine.runner import ModelRunner, RunnerSettings
 from runtime.load.loader import load
@@ -57,17 +59,32 @@ def test_lookup_follows_the_prediction_then_searches_it_first() -> None:
     assert grown.propose(1).tokens == (6,) and not grown.propose(1).predicted
 
 
-def test_draft_length_follows_acceptance_and_switches_off() -> None:
-    good, bad = DraftLength(), DraftLength()
+def _rows(n: int, length: DraftLength) -> list[Any]:
+    """`n` rows whose text repeats (lookup finds a draft), as plan_drafts reads them."""
+    text = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16] * 2
+    out = SimpleNamespace(max_tokens=99, progress=SimpleNamespace(generated=[]))
+    return [
+        SimpleNamespace(lookup=Lookup(text), feed=[16], drafting=length, out=out) for _ in range(n)
+    ]
+
+
+def test_draft_length_follows_acceptance_and_the_step_cost() -> None:
+    good, fair, bad = DraftLength(), DraftLength(accepted=0.85), DraftLength()
     for _ in range(6):
-        good.observe(good.choose(0.3) or 1, good.choose(0.3) or 1)  # all accepted
+        good.observe(4, 4)
         bad.observe(4, 0)
-    assert good.choose(0.3) >= 6
-    assert bad.choose(0.3) == 0  # no length pays
-    assert good.choose(3.0) <= 2  # where a verify row costs three steps, short drafts
+    assert good.expected(8) > 6 and bad.expected(8) < 1.1
+    stats = SpecStats()
+    stats.ratio = 0.45  # beta(1) 0.31, beta(8) 0.78
+    assert len(plan_drafts(_rows(1, good), stats)[0].tokens) >= 6  # one row: long drafts
+    assert 0 < len(plan_drafts(_rows(1, fair), stats)[0].tokens) < 8
+    assert not any(d.tokens for d in plan_drafts(_rows(1, bad), stats))  # nothing pays
+    # eight rows: a token row costs nearly what the step did, and two tokens a row fit
+    # the budget: at 85% acceptance they do not pay for the synchronous step
+    assert not any(d.tokens for d in plan_drafts(_rows(8, fair), stats))
     for _ in range(PROBE_AFTER):
         bad.skip()
-    assert bad.choose(0.3) == 1  # now and then it tries again
+    assert bad.probing and plan_drafts(_rows(1, bad), stats)[0].tokens  # tries again
 
 
 def test_shared_history_drafts_what_another_sequence_wrote() -> None:
@@ -98,7 +115,8 @@ def _engine(folder: Path, *, speculative: str, max_batch: int = 8) -> Engine:
     )  # fmt: skip
     runner = ModelRunner(load(folder), settings)
     # a tiny model's step is mostly Python: pin the cost model, so that rows draft
-    runner.scheduler.speculation.stats.prior = 0.3
+    runner.scheduler.speculation.stats.ratio = 0.1
+    runner.scheduler.speculation.stats.sync = 0.0
     runner.scheduler.speculation.stats.measure = False
     engine = Engine(runner, max_queue=64)
     engine.start()
