@@ -64,13 +64,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from gateway.admin.ps import model_entry
-from gateway.admin.trie import Decode, keys_text, trie_body
+from gateway.admin.trie import Decode, trie_body
 from gateway.core.exposure import is_loopback
 from gateway.core.http import server_settings
 from gateway.core.models import ModelRegistry, ModelState, ModelStatus, parameter_bytes
 from gateway.core.with_model import registry_of
 from runtime.engine import ActivityView, ModelRunner, RequestRecord, RowView
-from runtime.prefix import CacheReport
+from runtime.prefix import CacheReport, keys_text
 
 PROMPT_TAIL_TOKENS = 64  # of a recent request's prompt, shown
 

@@ -31,30 +31,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from runtime.engine import CacheView, RequestRecord
-from runtime.prefix import Key, NodeView
+from runtime.prefix import Key, NodeView, keys_text
 
 Decode = Callable[[Sequence[int]], str]
 
 HEAD_TOKENS = 48  # a long edge shows its first tokens ...
 TAIL_TOKENS = 16  # ... and its last
-
-
-def keys_text(keys: Sequence[Key], decode: Decode) -> str:
-    """Token ids decoded, each image's span shown once as [image]."""
-    out: list[str] = []
-    run: list[int] = []
-    for key in keys:
-        if isinstance(key, int):
-            run.append(key)
-            continue
-        if run:
-            out.append(decode(run))
-            run = []
-        if not out or out[-1] != "[image]":
-            out.append("[image]")
-    if run:
-        out.append(decode(run))
-    return "".join(out)
 
 
 def short_text(keys: Sequence[Key], decode: Decode) -> str:

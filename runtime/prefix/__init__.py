@@ -11,7 +11,7 @@ from runtime.prefix.cache import Lease, PrefixCache
 from runtime.prefix.disk import DiskTier, model_identity
 from runtime.prefix.loan import RowState
 from runtime.prefix.plan import Plan, plan_restore
-from runtime.prefix.report import CacheReport, MissReason
+from runtime.prefix.report import CacheReport, MissReason, keys_text
 from runtime.prefix.trie import ImageKey, Key, Node, image_keys
 from runtime.prefix.view import NodeView, TrieView
 
@@ -29,6 +29,7 @@ __all__ = [
     "RowState",
     "TrieView",
     "image_keys",
+    "keys_text",
     "model_identity",
     "plan_restore",
 ]

@@ -75,9 +75,9 @@ class CacheReport:
         if self.reason is MissReason.DIVERGED or self.cached:
             out["divergence"] = {
                 "at": self.matched,
-                "before": _text(self.before, decode),
-                "request": _text(self.wanted, decode),
-                "cached": _text(self.cached, decode),
+                "before": keys_text(self.before, decode),
+                "request": keys_text(self.wanted, decode),
+                "cached": keys_text(self.cached, decode),
             }
         if self.pin is not None:
             out["pin"] = self.pin
@@ -109,13 +109,14 @@ class CacheReport:
         line += f" (matched {self.matched}); {self.detail()}"
         if self.cached:
             line += (
-                f"; at {self.matched}: after {_text(self.before, decode)!r} the request has "
-                f"{_text(self.wanted, decode)!r}, the cache {_text(self.cached, decode)!r}"
+                f"; at {self.matched}: after {keys_text(self.before, decode)!r} the request has "
+                f"{keys_text(self.wanted, decode)!r}, the cache {keys_text(self.cached, decode)!r}"
             )
         return line
 
 
-def _text(keys: Sequence[Key], decode: Callable[[Sequence[int]], str]) -> str:
+def keys_text(keys: Sequence[Key], decode: Callable[[Sequence[int]], str]) -> str:
+    """Token ids decoded, each image's span shown once as [image]."""
     out: list[str] = []
     run: list[int] = []
     for key in keys:

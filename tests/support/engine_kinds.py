@@ -7,7 +7,9 @@ builders import both.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,8 @@ import tests.support.tiny_deepseek as tiny_deepseek
 import tests.support.tiny_hybrid as tiny_hybrid
 import tests.support.tiny_models as tiny_models
 from runtime.batch.handle import RequestHandle
-from runtime.types import Finished, TextDelta
+from runtime.engine import Engine
+from runtime.types import Finished, GenerationRequest, TextDelta
 
 # name -> (module that builds it, vocabulary size)
 KINDS: dict[str, tuple[Any, int]] = {
@@ -61,3 +64,22 @@ def collect(handle: RequestHandle) -> tuple[list[int], Finished]:
             assert isinstance(event, Finished)
             return tokens, event
     raise AssertionError("no Finished event")
+
+
+def together(
+    engine: Engine, requests: Sequence[GenerationRequest], delays: Sequence[float] = ()
+) -> list[tuple[list[int], Finished]]:
+    """Submit from one thread each (after its delay), all running at once."""
+    results: list[Any] = [None] * len(requests)
+
+    def client(i: int) -> None:
+        time.sleep(delays[i] if delays else 0.0)
+        results[i] = collect(engine.submit(requests[i]))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(r is not None for r in results)
+    return results

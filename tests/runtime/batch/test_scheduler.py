@@ -10,8 +10,6 @@ nothing.
 from __future__ import annotations
 
 import random
-import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,14 +27,13 @@ from runtime.engine.runner import ModelRunner, RunnerSettings
 from runtime.load.loader import load
 from runtime.text.sampling import Sampler
 from runtime.types import (
-    Finished,
     FinishReason,
     GenerationRequest,
     SamplingParams,
     TextDelta,
 )
 from tests.support.engine_kinds import KINDS as ENGINE_KINDS
-from tests.support.engine_kinds import collect, folder_maker, prompt
+from tests.support.engine_kinds import collect, folder_maker, prompt, together
 
 
 @pytest.fixture(scope="module")
@@ -96,25 +93,6 @@ def _alone(folder: Path, requests: Sequence[GenerationRequest]) -> list[list[int
     return alone
 
 
-def _together(
-    engine: Engine, requests: Sequence[GenerationRequest], delays: Sequence[float] = ()
-) -> list[tuple[list[int], Finished]]:
-    """Submit from one thread each (after its delay), all running at once."""
-    results: list[Any] = [None] * len(requests)
-
-    def client(i: int) -> None:
-        time.sleep(delays[i] if delays else 0.0)
-        results[i] = collect(engine.submit(requests[i]))
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert all(r is not None for r in results)
-    return results
-
-
 def _mixed(vocab: int) -> list[GenerationRequest]:
     shared = prompt(40, 11, vocab)
     return [
@@ -137,11 +115,11 @@ def test_concurrent_greedy_requests_match_running_alone(
     expected = _alone(folder, requests)
     engine = _engine(folder, max_batch=8, cache=cache)
     try:
-        got = _together(engine, requests)
+        got = together(engine, requests)
         runner = engine._runner
         assert isinstance(runner, ModelRunner)
         assert runner.scheduler.stats.max_batch_seen > 1  # they did run together
-        again = _together(engine, requests)  # now from the trie the first round filled
+        again = together(engine, requests)  # now from the trie the first round filled
     finally:
         engine.stop()
     for (tokens, done), want in zip(got, expected, strict=True):
@@ -158,7 +136,7 @@ def test_logprobs_come_back_per_sequence(folders: Callable[[str], Path]) -> None
     requests = _mixed(tiny_models.VOCAB)
     engine = _engine(folder, max_batch=8, cache=False)
     try:
-        got = _together(engine, requests)
+        got = together(engine, requests)
     finally:
         engine.stop()
     tokens, done = got[5]
@@ -202,7 +180,7 @@ def test_random_arrivals_change_nothing(folders: Callable[[str], Path]) -> None:
             delays = [rng.uniform(0, 0.3) for _ in requests]
             engine = _engine(folder, max_batch=rng.choice([2, 3, 8]), cache=bool(trial % 2))
             try:
-                got = _together(engine, requests, delays)
+                got = together(engine, requests, delays)
             finally:
                 engine.stop()
             assert [t for t, _ in got] == expected, (name, trial)
@@ -237,7 +215,7 @@ def test_a_request_that_would_not_fit_waits_its_turn(folders: Callable[[str], Pa
     expected = _alone(folder, requests)
     engine = _engine(folder, max_batch=8, cache=True, memory=64 * 1024)
     try:
-        got = _together(engine, requests)
+        got = together(engine, requests)
         runner = engine._runner
         assert isinstance(runner, ModelRunner)
         assert runner.scheduler.stats.max_batch_seen == 1
@@ -275,7 +253,7 @@ def test_prefill_chunks_ride_on_decode_steps(
             first = [engine.submit(r) for r in running]
             for handle in first:  # they decode before the long prompts come
                 next(e for e in handle if isinstance(e, TextDelta))
-            later = _together(engine, arriving)
+            later = together(engine, arriving)
             results = [collect(h) for h in first]
             runner = engine._runner
             assert isinstance(runner, ModelRunner)
@@ -309,7 +287,7 @@ def test_the_trie_gives_way_to_the_running_batch(folders: Callable[[str], Path])
 
     prefix.set_limit = recording  # type: ignore[method-assign]
     try:
-        got = _together(engine, requests)
+        got = together(engine, requests)
     finally:
         engine.stop()
     assert [t for t, _ in got] == expected

@@ -11,7 +11,6 @@ unchanged), alone and in a batch mixing drafting and plain rows.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,12 +25,12 @@ from runtime.batch.speculative import SpecStats, plan_drafts
 from runtime.engine import Engine
 from runtime.engine.runner import ModelRunner, RunnerSettings
 from runtime.load.loader import load
-from runtime.types import Finished, FinishReason, GenerationRequest, SamplingParams
+from runtime.types import FinishReason, GenerationRequest, SamplingParams
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.support.engine_kinds import KINDS, collect, folder_maker, prompt
+from tests.support.engine_kinds import KINDS, collect, folder_maker, prompt, together
 
 # -- drafts ---------------------------------------------------------------------------------
 
@@ -123,24 +122,6 @@ def _engine(folder: Path, *, speculative: str, max_batch: int = 8) -> Engine:
     return engine
 
 
-def _runs(
-    engine: Engine, requests: Sequence[GenerationRequest]
-) -> list[tuple[list[int], Finished]]:
-    """All at once, one thread each."""
-    out: list[Any] = [None] * len(requests)
-
-    def client(i: int) -> None:
-        out[i] = collect(engine.submit(requests[i]))
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert all(r is not None for r in out)
-    return out
-
-
 def _verify_steps(engine: Engine) -> int:
     runner = engine._runner
     assert isinstance(runner, ModelRunner)
@@ -190,26 +171,26 @@ def test_drafted_output_equals_decoding_without_drafts(
     engine = _engine(folder, speculative="lookup")
     try:
         alone = [collect(engine.submit(r)) for r in requests]  # one at a time
-        together = _runs(engine, requests)
+        batched = together(engine, requests)
         steps = _verify_steps(engine)
     finally:
         engine.stop()
     expected = [want[0], want[1], want[2], want[3], want[1]]
-    for (tokens, done), ref in zip([*alone, *together], expected * 2, strict=True):
+    for (tokens, done), ref in zip([*alone, *batched], expected * 2, strict=True):
         assert tokens == ref
         assert done.reason in (FinishReason.LENGTH, FinishReason.STOP)
     if name == "qwen3_next":  # recurrent layers: never verifies, the same output
         assert steps == 0
         return
     assert steps > 0
-    for tokens, done in (alone[0], together[0], alone[3]):
+    for tokens, done in (alone[0], batched[0], alone[3]):
         stats = done.stats
         assert stats.drafted_tokens > 0
         # the right prediction: every draft accepted, every token foreseen
         assert stats.accepted_tokens == stats.drafted_tokens
         assert stats.accepted_prediction_tokens == len(tokens)
         assert stats.rejected_prediction_tokens == 0
-    for _, done in (alone[2], together[2]):  # it had a token the output did not
+    for _, done in (alone[2], batched[2]):  # it had a token the output did not
         assert done.stats.rejected_prediction_tokens > 0
     assert alone[4][1].stats.drafted_tokens == 0  # speculative=False drafts nothing
 
