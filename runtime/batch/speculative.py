@@ -66,9 +66,11 @@ class SpecStats:
         """A verify step of `rows` rows of `length` tokens took `took` seconds from its
         forward to its last sample; a plain step takes `plain`."""
         if self.measure and length > 1 and plain > 0:
-            beta = min(0.95, max(0.02, (took / plain - 1.0) / (length - 1)))
+            # the step's own overhead (`sync`) is not the rows'; a short verify says
+            # little about a row's cost, so a sample weighs by its extra rows
+            beta = min(0.95, max(0.02, (took / plain - 1.0 - self.sync) / (length - 1)))
             sample = beta / (rows * (1.0 - beta))
-            self.ratio += (sample - self.ratio) * 0.2
+            self.ratio += (sample - self.ratio) * 0.2 * min(1.0, (length - 1) / 6)
 
 
 class Speculation:
@@ -143,20 +145,14 @@ def plan_drafts(rows: list[Seq], stats: SpecStats) -> list[Draft]:
     """Each row's draft for one step, the batch's draft length chosen together: every
     row pads to the longest, so a length is worth what all rows expect to gain from it
     (a row without a draft gains nothing) against what the step costs, and nothing is
-    drafted where no length beats a plain step. Within the budget of rows x L tokens."""
-    offers = [row.lookup.propose(_room(row)) if row.lookup is not None else Draft() for row in rows]
+    drafted where no length beats a plain step. Within the budget of rows x L tokens.
+    The rows' texts are searched only where drafts of every length offered could pay."""
     known = max(len(row.feed) for row in rows) if rows else 1
     top = min(VERIFY_LENGTH, max(VERIFY_ROWS // max(1, len(rows)), 1)) - known
-    beta = stats.beta(len(rows))
-    best, value = 0, float(len(rows))  # a plain step: a token a row, at cost 1
-    for k in range(1, max(0, top) + 1):
-        gain = sum(
-            row.drafting.expected(min(k, len(d.tokens))) if d.tokens else 1.0
-            for row, d in zip(rows, offers, strict=True)
-        )
-        worth = gain / (1.0 + stats.sync + beta * (known - 1 + k))
-        if worth > value * 1.02:
-            best, value = k, worth
+    offers = [Draft()] * len(rows)
+    if _best_length(rows, [top if r.lookup is not None else 0 for r in rows], known, stats):
+        offers = [r.lookup.propose(_room(r)) if r.lookup is not None else Draft() for r in rows]
+    best = _best_length(rows, [len(d.tokens) for d in offers], known, stats)
     out = []
     for row, d in zip(rows, offers, strict=True):
         kept = Draft(d.tokens[:best], d.predicted)
@@ -164,6 +160,23 @@ def plan_drafts(rows: list[Seq], stats: SpecStats) -> list[Draft]:
             row.drafting.skip()
         out.append(kept)
     return out
+
+
+def _best_length(rows: list[Seq], offered: list[int], known: int, stats: SpecStats) -> int:
+    """The draft length that yields most tokens per unit of step cost, when each row
+    offers `offered` tokens (0: no draft); 0 where none beats a plain step."""
+    top = min(VERIFY_LENGTH, max(VERIFY_ROWS // max(1, len(rows)), 1)) - known
+    beta = stats.beta(len(rows))
+    best, value = 0, float(len(rows))  # a plain step: a token a row, at cost 1
+    for k in range(1, max(0, min(top, max(offered, default=0))) + 1):
+        gain = sum(
+            row.drafting.expected(min(k, n)) if n else 1.0
+            for row, n in zip(rows, offered, strict=True)
+        )
+        worth = gain / (1.0 + stats.sync + beta * (known - 1 + k))
+        if worth > value * 1.02:
+            best, value = k, worth
+    return best
 
 
 def _room(row: Seq) -> int:
