@@ -39,10 +39,25 @@ typedef struct {
     void (*fn)(const AttnArgs *, const QueryPlan *, int, float *, int64_t);
 } DecodeJob;
 
+/* lane k = the sum of v[k]'s lanes: a tree of pairwise shuffles and adds, 7 vector adds
+ * where eight separate sums take 56 dependent scalar ones */
+INLINE v8f hsum8x8(const v8f *v) {
+    v8f t[4], u[2];
+    for (int i = 0; i < 4; i++)
+        t[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)
+        u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    /* u[0] holds keys 0-3 (lanes 0-3: first halves, 4-7: second halves), u[1] keys 4-7 */
+    return __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
 /* One chunk: rows of (b, query qi, KV head) against keys [j0, j1); writes max, sum, output. */
-INLINE void decode_chunk(const AttnArgs *a, int group, int b, int qi, int kvh, int32_t j0,
-                         int32_t j1, float *part) {
-    const int dim = a->dim, dv = dim / 8;
+INLINE void decode_chunk_dim(const AttnArgs *a, int group, int b, int qi, int kvh, int32_t j0,
+                             int32_t j1, float *part, const int dv) {
+    const int dim = a->dim;
     const float qscale = a->scale * 1.4426950408889634f;
     const float *kp = a->k + b * a->k_strides[0] + kvh * a->k_strides[1];
     const float *vp = a->v + b * a->v_strides[0] + kvh * a->v_strides[1];
@@ -61,29 +76,46 @@ INLINE void decode_chunk(const AttnArgs *a, int group, int b, int qi, int kvh, i
     for (int32_t j = j0; j < j1; j += 8) {
         const int n = j1 - j < 8 ? j1 - j : 8;
         const float *kb = kp + j * a->k_strides[2], *vb = vp + j * a->v_strides[2];
+        /* keys past the chunk's end read the last key again, and are masked below */
+        const float *key[8], *value[8];
+        for (int k = 0; k < 8; k++) {
+            key[k] = kb + (k < n ? k : n - 1) * a->k_strides[2];
+            value[k] = vb + (k < n ? k : n - 1) * a->v_strides[2];
+        }
         for (int r = 0; r < group; r++) {
+            /* eight keys' dot products side by side (eight independent chains), then
+             * summed across lanes all at once */
+            v8f acc[8];
+            for (int k = 0; k < 8; k++) acc[k] = q[r][0] * vload(key[k]);
+            for (int d = 1; d < dv; d++)
+                for (int k = 0; k < 8; k++) acc[k] += q[r][d] * vload(key[k] + 8 * d);
             float s[8];
-            for (int k = 0; k < 8; k++) {
-                if (k >= n) {
-                    s[k] = -__builtin_inff();
-                    continue;
-                }
-                const float *key = kb + k * a->k_strides[2];
-                v8f acc = q[r][0] * vload(key);
-                for (int d = 1; d < dv; d++) acc += q[r][d] * vload(key + 8 * d);
-                s[k] = hsum(acc);
-            }
+            vstore(s, hsum8x8(acc));
+            for (int k = n; k < 8; k++) s[k] = -__builtin_inff();
             float top = m[r];
             for (int k = 0; k < n; k++) top = s[k] > top ? s[k] : top;
             const v8f p = vexp2(vload(s) - vsplat(top));
-            const float alpha = vexp2(vsplat(m[r] - top))[0]; /* 0 on the first block */
+            const v8f alpha = vexp2(vsplat(m[r] - top)); /* every lane; 0 on the first block */
             m[r] = top;
-            l[r] = l[r] * alpha + hsum(p);
-            for (int d = 0; d < dv; d++) o[r][d] *= vsplat(alpha);
-            for (int k = 0; k < n; k++) {
-                const v8f pk = vsplat(p[k]);
-                const float *value = vb + k * a->v_strides[2];
-                for (int d = 0; d < dv; d++) o[r][d] += pk * vload(value + 8 * d);
+            l[r] = l[r] * alpha[0] + hsum(p);
+            /* each output vector's sum over the block's keys in a register (the key loop
+             * inside: a chain through memory per key would set the pace). The weights as
+             * vectors by constant shuffles: a splat of a lane costs 8 inserts in GCC's
+             * vector extension. Keys past n have weight 0 and read the last key's values. */
+            const v8f pb[8] = {
+                __builtin_shufflevector(p, p, 0, 0, 0, 0, 0, 0, 0, 0),
+                __builtin_shufflevector(p, p, 1, 1, 1, 1, 1, 1, 1, 1),
+                __builtin_shufflevector(p, p, 2, 2, 2, 2, 2, 2, 2, 2),
+                __builtin_shufflevector(p, p, 3, 3, 3, 3, 3, 3, 3, 3),
+                __builtin_shufflevector(p, p, 4, 4, 4, 4, 4, 4, 4, 4),
+                __builtin_shufflevector(p, p, 5, 5, 5, 5, 5, 5, 5, 5),
+                __builtin_shufflevector(p, p, 6, 6, 6, 6, 6, 6, 6, 6),
+                __builtin_shufflevector(p, p, 7, 7, 7, 7, 7, 7, 7, 7),
+            };
+            for (int d = 0; d < dv; d++) {
+                v8f acc = o[r][d] * alpha;
+                for (int k = 0; k < 8; k++) acc += pb[k] * vload(value[k] + 8 * d);
+                o[r][d] = acc;
             }
         }
     }
@@ -93,6 +125,18 @@ INLINE void decode_chunk(const AttnArgs *a, int group, int b, int qi, int kvh, i
         out[1] = l[r];
         for (int d = 0; d < dv; d++) vstore(out + 2 + 8 * d, o[r][d]);
     }
+}
+
+/* decode_chunk_dim with the head width a constant where it is a common one (64, 128):
+ * its loops then unroll and the row's vectors stay in registers */
+INLINE void decode_chunk(const AttnArgs *a, int group, int b, int qi, int kvh, int32_t j0,
+                         int32_t j1, float *part) {
+    if (a->dim == 64)
+        decode_chunk_dim(a, group, b, qi, kvh, j0, j1, part, 8);
+    else if (a->dim == 128)
+        decode_chunk_dim(a, group, b, qi, kvh, j0, j1, part, 16);
+    else
+        decode_chunk_dim(a, group, b, qi, kvh, j0, j1, part, a->dim / 8);
 }
 
 /* The query position of work item `item` (the plans are in order of their first item). */
@@ -216,6 +260,93 @@ EXPORT int mlxgw_attention_decode(const AttnArgs *a) {
     job.fn = decode_generic;
 #if HAVE_X86_DISPATCH
     if (use_avx2(a->generic)) job.fn = decode_avx2;
+#endif
+    run_threads(decode_worker, &job, threads < job.items ? threads : (int)job.items);
+    for (int l = 0; l < a->length; l++)
+        for (int64_t bk = 0; bk < heads; bk++) merge(&job, l, bk);
+    free(job.part);
+    return 0;
+}
+
+/* ------------------------------------------------------------ rows of their own ---- */
+
+/* A running batch whose rows keep their keys and values in buffers of their own
+ * (runtime/cache/rows.py): row b is `rows[b]`, a one-row AttnArgs (its q, k, v and out
+ * at row b, `keys` its own length). The chunks are planned as mlxgw_attention_decode
+ * plans the same rows left-padded in one buffer (from the longest row's keys, each row's
+ * chunks from its own first key), so every row gets the same bits it would get there. */
+INLINE void decode_rows_item(const AttnArgs *a, const QueryPlan *plan, int group, float *part,
+                             int64_t item) {
+    const AttnRows *ra = (const AttnRows *)a;
+    const int l = item_query(a, plan, item);
+    const QueryPlan *p = &plan[l];
+    const int64_t local = item - p->first;
+    const int64_t bk = local / p->chunks;
+    const int c = (int)(local % p->chunks);
+    const int b = (int)(bk / a->kv_heads), kvh = (int)(bk % a->kv_heads);
+    const AttnArgs *row = &ra->rows[b];
+    const int32_t seen = row->keys - a->length + l + 1;
+    int32_t j0 = c * p->chunk, j1 = j0 + p->chunk;
+    if (j1 > seen) j1 = seen;
+    float *dst = part + item * (int64_t)group * (a->dim + 2);
+    if (j0 >= j1) {
+        for (int r = 0; r < group; r++) {
+            dst[(int64_t)r * (a->dim + 2)] = -__builtin_inff();
+            dst[(int64_t)r * (a->dim + 2) + 1] = 0.0f;
+        }
+        return;
+    }
+    decode_chunk(row, group, 0, l, kvh, j0, j1, dst);
+}
+
+static void decode_rows_generic(const AttnArgs *a, const QueryPlan *plan, int group,
+                                float *part, int64_t item) {
+    decode_rows_item(a, plan, group, part, item);
+}
+
+#if HAVE_X86_DISPATCH
+TARGET_AVX2 static void decode_rows_avx2(const AttnArgs *a, const QueryPlan *plan, int group,
+                                         float *part, int64_t item) {
+    decode_rows_item(a, plan, group, part, item);
+}
+#endif
+
+EXPORT int mlxgw_attention_decode_rows(const AttnRows *ra) {
+    const AttnArgs *a = &ra->base;
+    if (a->length < 1 || a->length > DEC_MAX_LENGTH || (a->length > 1 && !a->causal) ||
+        a->batch < 1 || a->kv_heads < 1 || a->q_heads % a->kv_heads != 0 ||
+        a->q_heads / a->kv_heads > DEC_MAX_ROWS || a->dim < 8 || a->dim % 8 != 0 ||
+        a->dim > DEC_MAX_DIM || ra->rows == NULL)
+        return 1;
+    int32_t longest = 0;
+    for (int32_t b = 0; b < a->batch; b++) {
+        const AttnArgs *row = &ra->rows[b];
+        if (row->keys < a->length || row->dim != a->dim || row->kv_heads != a->kv_heads)
+            return 1;
+        longest = row->keys > longest ? row->keys : longest;
+    }
+    const int threads = a->threads < 1 ? 1 : a->threads;
+    const int64_t heads = (int64_t)a->batch * a->kv_heads;
+    DecodeJob job = {0};
+    job.a = a;
+    job.group = a->q_heads / a->kv_heads;
+    for (int l = 0; l < a->length; l++) { /* mlxgw_attention_decode's plan, first key 0 */
+        const int32_t span = longest - a->length + l + 1;
+        int64_t chunks = (4 * (int64_t)threads + heads - 1) / heads;
+        const int64_t most = (span + DEC_MIN_CHUNK - 1) / DEC_MIN_CHUNK;
+        chunks = chunks < most ? chunks : most;
+        chunks = chunks < 1 ? 1 : chunks;
+        int32_t chunk = (int32_t)((span + chunks - 1) / chunks);
+        job.plan[l].chunk = (chunk + 7) / 8 * 8;
+        job.plan[l].chunks = (int)chunks;
+        job.plan[l].first = job.items;
+        job.items += heads * chunks;
+    }
+    job.part = malloc((size_t)job.items * job.group * (a->dim + 2) * sizeof(float));
+    if (job.part == NULL) return 2;
+    job.fn = decode_rows_generic;
+#if HAVE_X86_DISPATCH
+    if (use_avx2(a->generic)) job.fn = decode_rows_avx2;
 #endif
     run_threads(decode_worker, &job, threads < job.items ? threads : (int)job.items);
     for (int l = 0; l < a->length; l++)

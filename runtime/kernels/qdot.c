@@ -20,6 +20,7 @@
  */
 
 #include "common.h"
+#include "qdot.h"
 #include "quantized.h"
 
 #include <pthread.h>
@@ -32,19 +33,7 @@
  * accumulators live on the stack */
 #define INLINE_QDOT TARGET_QDOT __attribute__((always_inline)) static inline
 
-enum { QB = 32, QDOT_ROWS = 4, QDOT_CHUNK = 16 };
-
-typedef struct {
-    const void *xq;    /* [rows, K]: int8 or int16 x, each 32-block in weight order */
-    const float *xs;   /* [rows, K / 32]: block scales */
-    const float *xsum; /* [rows, K / gs]: exact sums of x per weight group */
-    const uint32_t *w;
-    const void *scales, *biases;
-    float *out;
-    int64_t rows, depth, cols, groups;
-    int32_t bits, group_size, stype, wide; /* wide: x as int16 */
-    int64_t next;
-} QDot;
+enum { QDOT_ROWS = 4, QDOT_CHUNK = 16 };
 
 TARGET_QDOT static inline float scale_at(int stype, const void *p, int64_t i) {
     if (stype == 0) return ((const float *)p)[i];
@@ -371,6 +360,7 @@ typedef struct {
     const int64_t *first;     /* per part: its first work item; first[count] = all items */
     const int64_t *chunk;     /* per part: features per work item */
     int32_t count;
+    int32_t use512; /* int16 x on AVX-512 (qdot512.c) */
     int64_t next;
 } QDotJob;
 
@@ -385,7 +375,10 @@ TARGET_QDOT static void *qdot_worker(void *arg) {
         const int64_t size = job->chunk[p];
         int64_t start = (item - job->first[p]) * size;
         int64_t end = start + size < a->cols ? start + size : a->cols;
-        qdot_features(a, start, end);
+        if (job->use512)
+            mlxgw_qdot512_features(a, start, end);
+        else
+            qdot_features(a, start, end);
         const float *bias = job->bias[p];
         if (bias != NULL) {
             for (int64_t m = 0; m < a->rows; m++)
@@ -500,7 +493,7 @@ EXPORT int mlxgw_qdot_many(const float *x, int64_t rows, int64_t in_features,
         first[p + 1] = first[p] + (pr->cols + chunk[p] - 1) / chunk[p];
     }
     if (status == 0) {
-        QDotJob job = {parts, bias, first, chunk, count, 0};
+        QDotJob job = {parts, bias, first, chunk, count, wide && mlxgw_qdot512_usable(), 0};
         if (threads < 1) threads = 1;
         if (threads > first[count]) threads = (int32_t)first[count];
         run_threads(qdot_worker, &job, threads);

@@ -18,7 +18,10 @@ SOURCES = [
     Path(__file__).with_name("portable_check.c"),
     *(
         KERNELS / name
-        for name in ("kernels.c", "quantized.c", "qdot.c", "pool.c", "rows.c", "decode_attention.c")
+        for name in (
+            "kernels.c", "quantized.c", "qdot.c", "qdot512.c", "pool.c", "rows.c",
+            "decode_attention.c",
+        )
     ),
 ]
 

@@ -116,15 +116,34 @@ def _rounding_bound(x: np.ndarray[Any, Any], dense: np.ndarray[Any, Any], top: i
     return blocks @ np.abs(dense).reshape(dense.shape[0], depth // 32, 32).sum(axis=2).T
 
 
-@pytest.mark.parametrize(("activations", "top"), [("int8", 127), ("int16", 32767)])
+def _has_avx512() -> bool:
+    """Whether qdot512.c runs here (the flags it checks, as the kernel reads them)."""
+    try:
+        flags = open("/proc/cpuinfo").read().split("flags", 2)[1].split("\n")[0].split()
+    except (OSError, IndexError):
+        return False
+    need = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512vbmi")
+    return all(f in flags for f in need)
+
+
+# int16 rows run on AVX-512 where the CPU has it (qdot512.c), else AVX2 (qdot.c); "avx2"
+# forces the second on a machine that has the first, so both are checked here
+INT16_ISAS = ("", "avx2")
+
+
+@pytest.mark.parametrize(
+    ("activations", "top", "isa"),
+    [("int8", 127, ""), ("int16", 32767, ""), ("int16", 32767, "avx2")],
+)
 @pytest.mark.parametrize("bits", ALL_BITS)
 def test_integer_paths_stay_within_their_rounding_bound(
-    bits: int, activations: str, top: int, ext: Any, monkeypatch: pytest.MonkeyPatch
+    bits: int, activations: str, top: int, isa: str, ext: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Decode rows (up to SMALL_ROWS) meet x rounded to int8 or int16 per block of 32; the
     error is the bound that rounding implies (8-bit weights meet int8 x centred: bounded
     above by the centre's size)."""
     monkeypatch.setenv(primitives.ENV_ACTIVATIONS, activations)
+    monkeypatch.setenv(kernels.ENV_ISA, isa)
     rng = np.random.default_rng(bits + 10)
     for group_size, stype, (seed, (cols, depth)) in itertools.product(
         (32, 64, 128), SCALE_TYPES, enumerate(SHAPES)
@@ -143,6 +162,43 @@ def test_integer_paths_stay_within_their_rounding_bound(
             assert (np.abs(got - exact) <= bound + slack).all(), (group_size, stype, rows)
             # and the rounding is real but small: far from zero, far below the bound's size
             assert np.abs(got - exact).max() > 0
+
+
+@pytest.mark.parametrize("isa", INT16_ISAS)
+@pytest.mark.parametrize("bits", ALL_BITS)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(
+    bits: int, isa: str, ext: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch stays invariant: each row of an N-row decode product equals that row
+    multiplied alone, bit for bit, for every N the decode kernels take (1 to 16, past
+    one pass of rows per weight read) and group size."""
+    monkeypatch.setenv(kernels.ENV_ISA, isa)
+    for group_size in (32, 64, 128):
+        w, s, b, _ = _packed(67, 384, bits, group_size, seed=bits, stype=mx.float16)
+        x_np = np.random.default_rng(bits).standard_normal((16, 384), dtype=np.float32)
+        alone = [
+            np.asarray(_qmatmul(mx.array(x_np[i : i + 1]), w, s, b, group_size=group_size, bits=bits))
+            for i in range(16)
+        ]
+        for rows in (2, 5, 8, 9, 16):
+            got = np.asarray(_qmatmul(mx.array(x_np[:rows]), w, s, b, group_size=group_size, bits=bits))
+            for i in range(rows):
+                np.testing.assert_array_equal(got[i], alone[i][0], err_msg=f"{rows} rows, row {i}")
+
+
+def test_avx512_runs_where_the_cpu_has_it(ext: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with AVX-512 VNNI/VBMI the int16 rows take qdot512.c: its float sums run
+    in 16 lanes, so its results differ from the AVX2 path's by rounding (and only that)."""
+    if not _has_avx512():
+        pytest.skip("this CPU has no AVX-512 VNNI/VBMI")
+    w, s, b, dense = _packed(129, 384, 5, 32, seed=5, stype=mx.float16)
+    x = mx.array(np.random.default_rng(5).standard_normal((3, 384), dtype=np.float32))
+    out = {}
+    for isa in INT16_ISAS:
+        monkeypatch.setenv(kernels.ENV_ISA, isa)
+        out[isa] = np.asarray(_qmatmul(x, w, s, b, group_size=32, bits=5))
+    rel = np.abs(out[""] - out["avx2"]).max() / np.abs(out["avx2"]).max()
+    assert 0 < rel < 1e-5
 
 
 def test_int8_and_float_paths_differ_only_by_rounding(
