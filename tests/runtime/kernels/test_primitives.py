@@ -119,7 +119,8 @@ def _rounding_bound(x: np.ndarray[Any, Any], dense: np.ndarray[Any, Any], top: i
 def _has_avx512() -> bool:
     """Whether qdot512.c runs here (the flags it checks, as the kernel reads them)."""
     try:
-        flags = open("/proc/cpuinfo").read().split("flags", 2)[1].split("\n")[0].split()
+        with open("/proc/cpuinfo") as info:
+            flags = info.read().split("flags", 2)[1].split("\n")[0].split()
     except (OSError, IndexError):
         return False
     need = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512vbmi")
@@ -177,11 +178,15 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(
         w, s, b, _ = _packed(67, 384, bits, group_size, seed=bits, stype=mx.float16)
         x_np = np.random.default_rng(bits).standard_normal((16, 384), dtype=np.float32)
         alone = [
-            np.asarray(_qmatmul(mx.array(x_np[i : i + 1]), w, s, b, group_size=group_size, bits=bits))
+            np.asarray(
+                _qmatmul(mx.array(x_np[i : i + 1]), w, s, b, group_size=group_size, bits=bits)
+            )
             for i in range(16)
         ]
         for rows in (2, 5, 8, 9, 16):
-            got = np.asarray(_qmatmul(mx.array(x_np[:rows]), w, s, b, group_size=group_size, bits=bits))
+            got = np.asarray(
+                _qmatmul(mx.array(x_np[:rows]), w, s, b, group_size=group_size, bits=bits)
+            )
             for i in range(rows):
                 np.testing.assert_array_equal(got[i], alone[i][0], err_msg=f"{rows} rows, row {i}")
 
@@ -191,7 +196,7 @@ def test_avx512_runs_where_the_cpu_has_it(ext: Any, monkeypatch: pytest.MonkeyPa
     in 16 lanes, so its results differ from the AVX2 path's by rounding (and only that)."""
     if not _has_avx512():
         pytest.skip("this CPU has no AVX-512 VNNI/VBMI")
-    w, s, b, dense = _packed(129, 384, 5, 32, seed=5, stype=mx.float16)
+    w, s, b, _ = _packed(129, 384, 5, 32, seed=5, stype=mx.float16)
     x = mx.array(np.random.default_rng(5).standard_normal((3, 384), dtype=np.float32))
     out = {}
     for isa in INT16_ISAS:
