@@ -1,16 +1,18 @@
 """Builds the optional CPU kernels next to the package.
 
-Everything else about the distribution is in pyproject.toml. Two extensions:
+Everything else about the distribution is in pyproject.toml. Three extensions:
 
 - ``runtime.kernels._kernels``: runtime/kernels/*.c as a plain shared library loaded with
   ctypes (runtime/kernels/bridge.py: prefill attention, gated activations, small GEMM).
 - ``runtime.kernels._mlx_ext``: the quantized products as MLX primitives
   (runtime/kernels/ext, CMake against the headers, libmlx and CMake package of the
   pinned MLX, and nanobind; runtime/kernels/primitives.py is its bridge).
+- ``runtime._blas_shim``: runtime/blas_shim.c, the BLAS names MLX imports forwarded to
+  pip's OpenBLAS (runtime/backend.py loads it; on other platforms it forwards nothing).
 
-Both are optional: a machine without a compiler, CMake or MLX's development files still
+All are optional: a machine without a compiler, CMake or MLX's development files still
 installs, and the server says at start which kernels it runs without. setuptools'
-``optional=True`` covers the first; the second is built by `_CMakeBuild`, which warns
+``optional=True`` covers the first and the third; the second is built by `_CMakeBuild`, which warns
 instead of failing (mlx.extension's CMakeBuild would abort the whole install).
 """
 
@@ -104,6 +106,20 @@ setup(
             optional=True,
         ),
         _CMakeExtension("runtime.kernels._mlx_ext", "runtime/kernels/ext"),
+        # the names libmlx imports, forwarded to pip's scipy-openblas32 (runtime/backend.py;
+        # only Linux's MLX wheel links the reference BLAS)
+        *(
+            [
+                Extension(
+                    "runtime._blas_shim",
+                    sources=["runtime/blas_shim.c"],
+                    extra_compile_args=_FLAGS,
+                    optional=True,
+                )
+            ]
+            if sys.platform == "linux"
+            else []
+        ),
     ],
     cmdclass={"build_ext": _CMakeBuild},
 )

@@ -120,7 +120,7 @@ def run_gateway(path: Path, vocab: int, n: int, gen: int, streams: int) -> dict[
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from runtime.engine import Engine, ModelRunner
+    from runtime.engine import Engine, ModelRunner, RunnerSettings
     from runtime.load import load
     from runtime.types import Finished, GenerationRequest, SamplingParams, TextDelta
 
@@ -133,7 +133,10 @@ def run_gateway(path: Path, vocab: int, n: int, gen: int, streams: int) -> dict[
         "weights_gb": sum(v.nbytes for _, v in flat) / 1e9,
     }
     loaded = replace(loaded, eos_token_ids=frozenset())  # always generate gen tokens
-    engine = Engine(ModelRunner(loaded))
+    # speculative decoding off: llama.cpp here decodes one token a step too (its prompt
+    # lookup is measured against ours in bench/speculative.py); the bench's repeating
+    # random-token outputs would otherwise be drafted, and decode tok/s would measure that
+    engine = Engine(ModelRunner(loaded, RunnerSettings(speculative="off")))
     engine.start()
     greedy = SamplingParams(temperature=0.0)
     list(engine.submit(GenerationRequest(tuple(warmup_prompt(vocab)), WARMUP_GEN, greedy)))

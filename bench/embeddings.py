@@ -1,5 +1,5 @@
 """Embeddings per second: the gateway's /v1/embeddings against sentence-transformers on
-PyTorch (CPU), all-MiniLM-L6-v2, in one run (issue 30).
+PyTorch (CPU) and llama.cpp's embedding mode, all-MiniLM-L6-v2, in one run (issue 30).
 
 1,000 sentences of 5-60 words (seeded), embedded
 
@@ -12,7 +12,12 @@ PyTorch (CPU), all-MiniLM-L6-v2, in one run (issue 30).
 2. by sentence-transformers in this process: `encode(sentences)` (batches of 32, its
    default) and one `encode([s])` per sentence (on the first --single-sample sentences:
    its per-call cost makes 1,000 calls take minutes on a busy machine), on torch's
-   threads (all cores);
+   threads (all cores); with --gguf FILE, by llama.cpp the same two ways
+   (llama-cpp-python, `Llama(FILE, embedding=True)`, all cores, batches of --llama-batch
+   tokens): `embed(sentences)` and one `embed(s)` per sentence. FILE is llama.cpp's own
+   conversion: `pip download --no-deps --no-binary :all: llama-cpp-python`, unpack it, and
+   in its vendor/llama.cpp run `PYTHONPATH=gguf-py:. python convert_hf_to_gguf.py FOLDER
+   --outtype f32 --outfile all-minilm-l6-v2-f32.gguf` (FOLDER: the store's model);
 3. with --chat ALIAS: that chat model's stream (greedy, --chat-tokens) alone, and beside
    a 1,000-input embedding request on the same server: its decode tokens/s and gaps
    while the request runs (bench/_embed_interference.py).
@@ -24,10 +29,10 @@ with sentence-transformers' (the worst cosine is printed; tests hold it >= 0.999
 Target (issue 30): gateway >= 1.0x sentence-transformers, both ways of sending.
 
     python bench/embeddings.py [--sentences 1000] [--rounds 3] [--single-sample 100]
+        [--gguf all-minilm-l6-v2-f32.gguf] [--llama-batch 512] [--llama-threads N]
         [--chat smollm2-135m] [--chat-tokens 400] [--json out.json]
 
-The model comes from `mlx-gateway pull all-minilm-l6-v2`. llama.cpp's embedding mode is
-not measured here (it needs a GGUF conversion of the model from llama.cpp's sources).
+The model comes from `mlx-gateway pull all-minilm-l6-v2`.
 """
 
 from __future__ import annotations
@@ -195,6 +200,27 @@ def _one_by_one(st: Any, texts: Sequence[str]) -> np.ndarray:
     return np.stack([st.encode([s])[0] for s in texts])
 
 
+def _llama(path: Path, batch: int, threads: int | None) -> Any:
+    """llama.cpp's embedding mode (llama-cpp-python), on all cores unless told."""
+    import os
+
+    from llama_cpp import Llama
+
+    cores = threads or os.cpu_count() or 1
+    return Llama(
+        str(path), embedding=True, n_ctx=batch, n_batch=batch, n_ubatch=batch,
+        n_threads=cores, n_threads_batch=cores, verbose=False,
+    )  # fmt: skip
+
+
+def _llama_batch(llm: Any, texts: Sequence[str]) -> np.ndarray:
+    return np.asarray(llm.embed(list(texts), normalize=True), dtype=np.float32)
+
+
+def _llama_one_by_one(llm: Any, texts: Sequence[str]) -> np.ndarray:
+    return np.stack([np.asarray(llm.embed(s, normalize=True), dtype=np.float32) for s in texts])
+
+
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
@@ -204,6 +230,10 @@ def main() -> int:
     parser.add_argument("--sentences", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--single-sample", type=int, default=100)
+    parser.add_argument("--gguf", type=Path, help="llama.cpp's GGUF of the model: measure it too")
+    # a ubatch attends over all its tokens (masked): 2048 ran 3x slower than 512 here
+    parser.add_argument("--llama-batch", type=int, default=512, help="llama.cpp's batch tokens")
+    parser.add_argument("--llama-threads", type=int, help="llama.cpp's threads (all cores)")
     parser.add_argument("--chat", help="also: this chat model's stream beside an embedding request")
     parser.add_argument("--chat-tokens", type=int, default=400)
     parser.add_argument("--json", type=Path)
@@ -216,12 +246,13 @@ def main() -> int:
     from sentence_transformers import SentenceTransformer
 
     st = SentenceTransformer(str(folder), device="cpu")
+    llm = _llama(args.gguf, args.llama_batch, args.llama_threads) if args.gguf else None
     port = _free_port()
     cmd = (sys.executable, "-m", "gateway.cli.main", "serve", "--model", ALIAS,
            "--host", "127.0.0.1", "--port", str(port))  # fmt: skip
     spec = ServerSpec("gateway", "f32 + BLAS", cmd, ALIAS, "/health")
     best: dict[str, float] = {}  # embeddings/s
-    worst_cosine = 1.0
+    worst: dict[str, float] = {}  # cosine against sentence-transformers
     with tempfile.TemporaryDirectory() as tmp, running(spec, port, Path(tmp) / "gw.log") as base:
         one_request(base, ["warm up the encoder"])  # loads the model
         for r in range(args.rounds):
@@ -235,28 +266,41 @@ def main() -> int:
                 "sentence-transformers, encode(batch 32)": partial(st.encode, texts),
                 "sentence-transformers, one at a time": partial(_one_by_one, st, sample),
             }
+            if llm is not None:
+                runs["llama.cpp, embed(batch)"] = partial(_llama_batch, llm, texts)
+                runs["llama.cpp, one at a time"] = partial(_llama_one_by_one, llm, sample)
             for name, run in runs.items():
                 seconds, vectors = timed(run)
                 rate = len(vectors) / seconds
                 best[name] = max(best.get(name, 0.0), rate)
-                if name == "gateway, one request":
-                    worst_cosine = min(worst_cosine, float(_cosines(vectors, reference).min()))
+                if name in ("gateway, one request", "llama.cpp, embed(batch)"):
+                    cosine = float(_cosines(vectors, reference).min())
+                    worst[name] = min(worst.get(name, 1.0), cosine)
                 print(f"round {r + 1}: {name}: {rate:.1f}/s", flush=True)
-    rates = best
-    peer = rates["sentence-transformers, encode(batch 32)"]
-    print(f"\nall-MiniLM-L6-v2, {args.sentences} sentences of 5-60 words, best of "
-          f"{args.rounds} (torch threads {torch.get_num_threads()})\n")  # fmt: skip
-    print("| way | embeddings/s | vs sentence-transformers batch |")
-    print("|---|---:|---:|")
-    for name, rate in rates.items():
-        print(f"| {name} | {rate:.1f} | {rate / peer:.2f}x |")
-    print(f"\nworst cosine, gateway against sentence-transformers: {worst_cosine:.6f}")
-    result: dict[str, Any] = {"rates": rates, "worst_cosine": worst_cosine}
+    _table(args, best, worst, torch.get_num_threads())
+    result: dict[str, Any] = {"rates": best, "worst_cosine": worst}
     if args.chat:
         result["chat"] = _chat_part(args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0
+
+
+def _table(
+    args: argparse.Namespace, rates: dict[str, float], worst: dict[str, float], threads: int
+) -> None:
+    peers = {"sentence-transformers": rates["sentence-transformers, encode(batch 32)"]}
+    if "llama.cpp, embed(batch)" in rates:
+        peers["llama.cpp"] = rates["llama.cpp, embed(batch)"]
+    print(f"\nall-MiniLM-L6-v2, {args.sentences} sentences of 5-60 words, best of "
+          f"{args.rounds} (torch threads {threads})\n")  # fmt: skip
+    print("| way | embeddings/s | " + " | ".join(f"vs {p} batch" for p in peers) + " |")
+    print("|---|---:|" + "---:|" * len(peers))
+    for name, rate in rates.items():
+        ratios = " | ".join(f"{rate / peer:.2f}x" for peer in peers.values())
+        print(f"| {name} | {rate:.1f} | {ratios} |")
+    for name, cosine in worst.items():
+        print(f"worst cosine, {name} against sentence-transformers: {cosine:.6f}")
 
 
 def _chat_part(args: argparse.Namespace) -> dict[str, float]:

@@ -2,10 +2,14 @@
 
 MLX's Linux CPU wheel links a reference BLAS (a few GFLOP/s). An optimized BLAS
 loaded with RTLD_GLOBAL *before* ``import mlx`` takes over its cblas symbols
-(about 30x faster matmuls here). MKL comes with the `cpu` extra; on AMD processors a
-system OpenBLAS goes first, because MKL does not take its fast code paths there (on an
-AMD EPYC with AVX-512, OpenBLAS 0.3.21 ran the matrix products of a 64-token prefill
-chunk 1.4-2x faster than MKL, and a 2048-token one 1.05-1.25x). This module imports no MLX at import time, so
+(about 30x faster matmuls here). The `cpu` extra installs two: MKL (x86-64), first on
+Intel, and OpenBLAS (scipy-openblas32), first elsewhere, because MKL does not take its
+fast code paths on AMD processors (on an AMD EPYC with AVX-512, OpenBLAS ran the matrix
+products of a 64-token prefill chunk 1.4-2x faster than MKL, and a 2048-token one
+1.05-1.25x). scipy-openblas32 exports its symbols with a "scipy_" prefix; the shim
+runtime/blas_shim.c (built by setup.py) gives them the names libmlx imports. A system
+OpenBLAS, where one is installed, goes before pip's (`_candidates` says why); a system
+MKL serves where pip's is missing. This module imports no MLX at import time, so
 ``configure()`` can run first; call it at process entry (CLI, tests, benchmarks).
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import glob
+import importlib.util
 import logging
 import os
 import sys
@@ -21,13 +26,25 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-ENV_BLAS = "MLX_GATEWAY_BLAS"  # a path to a BLAS library, or "none" to skip the preload
+# a path to a BLAS library, a source below ("pip:openblas", "system:mkl", ...), or "none"
+# to skip the preload
+ENV_BLAS = "MLX_GATEWAY_BLAS"
+PIP_OPENBLAS = "pip:openblas"
+# What an OpenBLAS about to load finds in the environment (it reads it once, at load; a
+# value the user set is kept): its idle threads wait 2^4 cycles, not 2^28, before they
+# sleep. Since 0.3.27 that wait spins without yielding on x86-64 (pip's OpenBLAS is newer,
+# Debian 12's 0.3.21 older), and between two BLAS calls of a prompt chunk our kernels'
+# threads want those cores (bench/blas.py, pip's OpenBLAS: prefill 1.1x faster with it on
+# an idle machine, 1.35x on a busy one).
+OPENBLAS_ENV = {"OPENBLAS_THREAD_TIMEOUT": "4"}
+_SHIM_GLOB = "_blas_shim*.so"
 
 
 @dataclass(frozen=True)
 class BlasChoice:
     path: str | None
-    source: str  # "env", "pip:mkl", "system:openblas", "system:mkl", "none", "not-needed"
+    # "env", "pip:openblas", "pip:mkl", "system:openblas", "system:mkl", "none", "not-needed"
+    source: str
 
 
 _chosen: BlasChoice | None = None
@@ -39,6 +56,29 @@ def _pip_candidates() -> list[tuple[str, str]]:
     for prefix in dict.fromkeys([sys.prefix, sys.base_prefix]):
         for path in sorted(glob.glob(os.path.join(prefix, "lib", "libmkl_rt.so*"))):
             out.append((path, "pip:mkl"))
+    return out
+
+
+def shim_path() -> str | None:
+    """The forwarding library setup.py builds from runtime/blas_shim.c, if it was built."""
+    found = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), _SHIM_GLOB)))
+    return found[0] if found else None
+
+
+def pip_openblas() -> list[tuple[str, str]]:
+    """scipy-openblas32 (the `cpu` extra), usable only through the shim."""
+    if shim_path() is None:
+        return []
+    try:
+        spec = importlib.util.find_spec("scipy_openblas32")
+    except (ImportError, ValueError):
+        return []
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    out: list[tuple[str, str]] = []
+    for folder in spec.submodule_search_locations:
+        for path in sorted(glob.glob(os.path.join(folder, "lib", "libscipy_openblas*.so"))):
+            out.append((path, PIP_OPENBLAS))
     return out
 
 
@@ -75,10 +115,40 @@ def cpu_vendor() -> str:
     return ""
 
 
-def _candidates(amd: bool) -> list[tuple[str, str]]:
-    """Every BLAS found, best first for this processor."""
-    openblas, mkl = _system_openblas(), _pip_candidates() + _system_mkl()
-    return openblas + mkl if amd else mkl + openblas
+def _candidates(intel: bool) -> list[tuple[str, str]]:
+    """Every BLAS found, best first for this processor. A system OpenBLAS goes before
+    pip's: as fast on one thread, but Debian 12's (0.3.21) yields the processor while its
+    threads wait and pip's (0.3.27 and later) spins, which costs on a machine busy with
+    other work (bench/blas.py, Qwen2.5-0.5B prefill, 2 threads, about one of the 2 cores
+    kept busy by others: pip's at 0.65x for 512 tokens, 0.94x for 2048)."""
+    openblas, mkl = _system_openblas() + pip_openblas(), _pip_candidates() + _system_mkl()
+    return mkl + openblas if intel else openblas + mkl
+
+
+def _load(path: str, source: str) -> None:
+    """Load one candidate with RTLD_GLOBAL (OSError when it cannot serve MLX)."""
+    if "openblas" in os.path.basename(path):
+        for key, value in OPENBLAS_ENV.items():
+            os.environ.setdefault(key, value)
+    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    if source != PIP_OPENBLAS:
+        return
+    # after the OpenBLAS, whose scipy_ symbols the shim's jumps bind to
+    shim = shim_path()
+    if shim is None:
+        raise OSError("runtime/blas_shim.c was not built")
+    if ctypes.CDLL(shim, mode=ctypes.RTLD_GLOBAL).mlxgw_blas_shim_forwards() != 1:
+        raise OSError(f"{shim} forwards nothing on this processor")
+
+
+def _from_env(env: str, intel: bool) -> list[tuple[str, str]]:
+    """MLX_GATEWAY_BLAS's candidates: the library at a path, or a source's libraries."""
+    if ":" in env and os.path.sep not in env:
+        named = [c for c in _candidates(intel) if c[1] == env]
+        if not named:
+            log.warning("%s=%s: no such BLAS found; probing the others", ENV_BLAS, env)
+        return named
+    return [(env, "env")]
 
 
 def _needs_blas() -> bool:
@@ -101,27 +171,28 @@ def configure_blas() -> BlasChoice:
     if not _needs_blas():
         _chosen = BlasChoice(None, "not-needed")
         return _chosen
-    amd = cpu_vendor() == "AuthenticAMD"
-    candidates = [(env, "env")] if env else []
-    candidates += _candidates(amd)
+    intel = cpu_vendor() == "GenuineIntel"
+    candidates = _from_env(env, intel) if env else []
+    candidates += [c for c in _candidates(intel) if c not in candidates]
     for path, source in candidates:
         try:
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            _load(path, source)
         except OSError as exc:
             log.debug("cannot load BLAS %s: %s", path, exc)
             continue
         _chosen = BlasChoice(path, source)
         log.info("BLAS: %s (%s)", path, source)
-        if source.endswith("mkl") and amd:
+        if source.endswith("mkl") and not intel:
             log.info(
-                "MKL is slower than OpenBLAS on AMD processors: apt-get install "
-                "libopenblas0-pthread and it is chosen instead"
+                "MKL is slower than OpenBLAS on this processor: pip install "
+                "'mlx-gateway[cpu]' (brings scipy-openblas32) and it is chosen instead"
             )
         return _chosen
     log.warning(
         "No optimized BLAS found: MLX's CPU matmuls will be about 30x slower. "
-        "Fix: pip install 'mlx-gateway[cpu]' (brings mkl) or apt-get install "
-        "libopenblas0-pthread, or set %s to a BLAS library path.",
+        "Fix: pip install 'mlx-gateway[cpu]' (brings scipy-openblas32 and mkl; the "
+        "OpenBLAS needs the shim setup.py builds with a C compiler), or set %s to a BLAS "
+        "library path.",
         ENV_BLAS,
     )
     _chosen = BlasChoice(None, "none")

@@ -165,11 +165,21 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative",
         choices=SPECULATIVE_CHOICES,
-        default=env("SPECULATIVE", "lookup"),
+        default=env("SPECULATIVE", "") or None,
         help="draft the next tokens from the conversation itself (prompt lookup: what an "
-        "agent writes back from a file it read) and check them in one forward; the "
-        "output is the same token for token, and a sequence stops drafting where it "
-        "does not pay (default: $MLX_GATEWAY_SPECULATIVE, else lookup)",
+        "agent writes back from a file it read), also from other conversations (trie), or "
+        "with a draft model (draft), and check them in one forward; the output is the same "
+        "token for token (sampled: the same distribution), and a sequence stops drafting "
+        "where it does not pay (default: $MLX_GATEWAY_SPECULATIVE, else draft with "
+        "--draft-model, else lookup)",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=env("DRAFT_MODEL", "") or None,
+        metavar="MODEL",
+        help="a small model with the served model's tokenizer that drafts for it "
+        "(--speculative draft); its weights count in the memory budget "
+        "(default: $MLX_GATEWAY_DRAFT_MODEL)",
     )
     p.add_argument(
         "--template-family",

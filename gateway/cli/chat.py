@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from gateway.cli.common import engine_settings, resolve
-from gateway.core.models import ServedModel, build_served
+from gateway.cli.errors import CliError
+from gateway.core.models import ServedModel, build_served, check_draft_tokenizer
 from gateway.core.settings import EngineSettings
 from runtime.types import Finished, GenerationRequest, SamplingParams, TextDelta
 from templates import Message, RenderOptions, render_prompt
@@ -17,6 +18,11 @@ def run(args: argparse.Namespace) -> int:
     """`mlx-gateway run MODEL [PROMPT]`."""
     settings = engine_settings(args)
     path, model_id = resolve(args.model)
+    if settings.draft_model is not None:
+        try:
+            check_draft_tokenizer(path, settings.draft_model)
+        except (ValueError, OSError) as exc:
+            raise CliError(f"draft model {settings.draft_model}: {exc}") from None
     return run_chat(path, model_id, args, settings)
 
 

@@ -10,6 +10,7 @@ import os
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import templates
 from gateway.cli.errors import CliError
@@ -179,8 +180,20 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         template_family=args.template_family,
         parser=args.parser,
         kv_bits=args.kv_bits,
-        speculative=args.speculative,
+        **drafting(args.speculative, args.draft_model),
     )
+
+
+def drafting(speculative: str | None, draft: str | None) -> dict[str, Any]:
+    """`--speculative` and `--draft-model` as EngineSettings fields: a draft model drafts
+    unless another mode is named; "draft" needs one (resolved here: a name that is not
+    downloaded yet is fetched at startup)."""
+    mode = speculative or ("draft" if draft else "lookup")
+    if mode == "draft" and not draft:
+        raise CliError("--speculative draft needs a draft model: --draft-model MODEL")
+    if draft and mode != "draft":
+        raise CliError(f"--draft-model drafts with --speculative draft, not {mode}")
+    return {"speculative": mode, "draft_model": resolve(draft)[0] if draft else None}
 
 
 def http_get(url: str, key: str | None, timeout: float) -> tuple[int, bytes]:

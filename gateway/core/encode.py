@@ -5,6 +5,7 @@ error it stands for."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -14,10 +15,19 @@ from starlette.requests import Request
 from gateway.core.errors import InvalidRequest
 from gateway.core.generation import Generations, failure, submit, until_disconnect
 from gateway.core.http import server_settings
+from gateway.core.metrics import Metrics
 from gateway.core.models import ServedModel
 from runtime.load import LoadedEncoder
-from runtime.types import Encoded, EncodeInput, EncodeRequest, Finished, GenerationStats
+from runtime.types import (
+    Encoded,
+    EncodeInput,
+    EncodeRequest,
+    Finished,
+    FinishReason,
+    GenerationStats,
+)
 
+_NONE = GenerationStats(prompt_tokens=0, completion_tokens=0)
 _SERVES = {
     "generate": "generates text (chat, completions)",
     "embed": "is an embedding model (POST /v1/embeddings)",
@@ -53,10 +63,14 @@ class Result:
 async def encode(request: Request, served: ServedModel, inputs: Sequence[EncodeInput]) -> Result:
     """Run `inputs` through the model's encoder engine (see the module docstring)."""
     settings = server_settings(request)
-    gens = submit(served, [EncodeRequest.of(tuple(inputs))], settings, request.app.state.metrics)
+    metrics: Metrics = request.app.state.metrics
+    gens = submit(served, [EncodeRequest.of(tuple(inputs))], settings, metrics)
     done = await until_disconnect(request, gens, _ending(gens))
+    seconds = time.perf_counter() - gens.handles[0].submitted_at
     if done is None:  # the client left: nobody reads an answer
+        metrics.encode_done(served.caps.task, FinishReason.CANCELLED, len(inputs), _NONE, seconds)
         raise InvalidRequest("the client disconnected")
+    metrics.encode_done(served.caps.task, done.reason, len(inputs), done.stats, seconds)
     error = failure(done)
     if error is not None:
         raise error

@@ -36,6 +36,7 @@ PREFIX = "mlx_gateway_"
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TPS_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 5000.0)
+ENCODE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ class Metrics:
             buckets=TPS_BUCKETS,
             registry=r,
         )
+        self._encoder_series()
         Gauge(PREFIX + "start_time_seconds", "Unix time the server started.", registry=r).set(
             self.started
         )
@@ -167,6 +169,53 @@ class Metrics:
             ProcessCollector(registry=r)
         else:  # macOS: prometheus_client's process collector reads only /proc
             r.register(RusageCollector())
+
+    def _encoder_series(self) -> None:
+        """/v1/embeddings and /v1/rerank, by task ("embed", "rerank")."""
+        r, task = self.registry, ("task",)
+        self.encode_requests = Counter(
+            PREFIX + "encode_requests_total",
+            "Embedding and rerank requests the encoder ended, by task and reason.",
+            ("task", "reason"),
+            registry=r,
+        )
+        self.encode_inputs = Counter(
+            PREFIX + "encode_inputs_total",
+            "Inputs embedded, or (query, document) pairs scored.",
+            task,
+            registry=r,
+        )
+        self.encode_tokens = Counter(
+            PREFIX + "encode_tokens_total",
+            "Tokens of those inputs (special tokens included).",
+            task,
+            registry=r,
+        )
+        self.encode_cached_tokens = Counter(
+            PREFIX + "encode_cached_tokens_total",
+            "Tokens of inputs served from the encoder's cache of recent rows.",
+            task,
+            registry=r,
+        )
+        self.encode_seconds = Histogram(
+            PREFIX + "encode_request_seconds",
+            "From submission (queue wait included) to the encoder's last row.",
+            task,
+            buckets=ENCODE_BUCKETS,
+            registry=r,
+        )
+
+    def encode_done(
+        self, task: str, reason: FinishReason, inputs: int, stats: GenerationStats, seconds: float
+    ) -> None:
+        """An embedding or rerank request ended (`task`: the model's, "embed" or "rerank")."""
+        self.encode_requests.labels(task=task, reason=reason.value).inc()
+        if reason is not FinishReason.STOP:
+            return
+        self.encode_inputs.labels(task=task).inc(inputs)
+        self.encode_tokens.labels(task=task).inc(stats.prompt_tokens)
+        self.encode_cached_tokens.labels(task=task).inc(stats.cached_tokens)
+        _observe(self.encode_seconds.labels(task=task), seconds)
 
     def request_done(self, method: str, route: str, status: int) -> None:
         self.http_requests.labels(method=method, route=route, status=str(status)).inc()

@@ -18,7 +18,7 @@ DEFAULT_MAX_TOKENS = 8192
 QUANTIZE_CHOICES = ("q4", "q8")
 QUANTIZE_GROUPS = (32, 64, 128)
 # --speculative: runtime.batch.SPECULATIVE_MODES, for the same reason
-SPECULATIVE_CHOICES = ("off", "lookup", "trie")
+SPECULATIVE_CHOICES = ("off", "lookup", "trie", "draft")
 DEFAULT_QUANTIZE_GROUP = 64
 # open connections served at once; beyond it a 503 with Retry-After (uvicorn's
 # limit_concurrency, answered in the dialect): with --max-body-bytes, a bound on the
@@ -97,15 +97,22 @@ class EngineSettings:
     allow_private_urls: bool = False
     # full-attention layers keep keys and values in 8 or 4 bits (None: lossless)
     kv_bits: int | None = None
-    # drafting tokens by prompt lookup, checked in one forward: "lookup" or "off" (a
-    # request's predicted output drafts either way; runtime/batch/speculative.py)
+    # drafting tokens, checked in one forward: "lookup" (prompt lookup), "trie" (and other
+    # conversations), "draft" (a draft model: `draft_model`) or "off" (a request's
+    # predicted output drafts either way; runtime/batch/speculative.py)
     speculative: str = "lookup"
+    # the draft model's folder or file (its tokenizer the served model's): "draft" only
+    draft_model: Path | None = None
     # "q4" / "q8": a float source's weights quantized at load, in groups of quantize_group
     # (None: as the source stores them)
     quantize: str | None = None
     quantize_group: int = DEFAULT_QUANTIZE_GROUP
 
     def __post_init__(self) -> None:
+        if self.speculative not in SPECULATIVE_CHOICES:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_CHOICES}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("a draft model drafts with speculative 'draft' (and it needs one)")
         if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:
             raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES} or None")
         if self.quantize_group not in QUANTIZE_GROUPS:

@@ -4,6 +4,7 @@ speculative decoding."""
 
 from __future__ import annotations
 
+from runtime.batch.draft_model import DraftModel, check_vocabulary, weight_ratio
 from runtime.batch.drafts import SPECULATIVE_MODES
 from runtime.batch.generate import DEFAULT_PREFILL_CHUNK, generate_tokens
 from runtime.batch.handle import RequestHandle, ThreadSink, open_handle
@@ -17,6 +18,7 @@ __all__ = [
     "DEFAULT_PREFILL_CHUNK",
     "FUSED_SHARE",
     "SPECULATIVE_MODES",
+    "DraftModel",
     "RequestHandle",
     "Scheduler",
     "SchedulerStats",
@@ -24,7 +26,9 @@ __all__ = [
     "SequenceOutput",
     "Speculation",
     "ThreadSink",
+    "check_vocabulary",
     "generate_tokens",
     "keeps_on_the_way",
     "open_handle",
+    "weight_ratio",
 ]

@@ -18,8 +18,10 @@ the longest draft, and a verify step costs more than a plain one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
+import mlx.core as mx
 import numpy as np
 
 from runtime.batch.history import SharedHistory
@@ -29,12 +31,15 @@ LONGEST_NGRAM = 4  # the suffix lengths tried, longest first
 SHORTEST_NGRAM = 2
 PROBE_AFTER = 32  # steps without a draft before a row that stopped drafting tries again
 # off: only a request's predicted output drafts; lookup: its own sequence too; trie: and
-# what other conversations wrote (runtime/batch/history.py)
-SPECULATIVE_MODES = ("off", "lookup", "trie")
+# what other conversations wrote (runtime/batch/history.py); draft: a small model with the
+# same tokenizer (runtime/batch/draft_model.py)
+SPECULATIVE_MODES = ("off", "lookup", "trie", "draft")
 
 
 class Lookup:
     """Prompt lookup over one sequence's tokens and its predicted output."""
+
+    costly: ClassVar[bool] = False  # a draft costs a search, not forwards of a model
 
     def __init__(
         self,
@@ -64,6 +69,16 @@ class Lookup:
     def tokens(self) -> np.ndarray:
         """The sequence so far (a view: read, do not keep)."""
         return self._buf[: self._n]
+
+    @property
+    def following(self) -> bool:
+        """Whether the output so far is the prediction's beginning (its rest drafts)."""
+        return self._aligned
+
+    @property
+    def ready(self) -> bool:
+        """Whether it can draft now (a draft model's caches may have to catch up first)."""
+        return True
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Tokens the sequence wrote (accepted ones only)."""
@@ -117,10 +132,21 @@ class Lookup:
 
 @dataclass(frozen=True)
 class Draft:
-    """Drafted tokens, and whether they came from the client's predicted output."""
+    """Drafted tokens, and whether they came from the client's predicted output.
+
+    A draft model's tokens drawn from its distribution carry it (`q`, one row per drafted
+    token) and the key their check draws with (runtime/batch/rejection.py); without `q` a
+    draft is deterministic (a one-hot distribution): checked by sampling and comparing."""
 
     tokens: tuple[int, ...] = ()
     predicted: bool = False
+    q: mx.array | None = field(default=None, compare=False)
+    key: mx.array | None = field(default=None, compare=False)
+
+    def cut(self, n: int) -> Draft:
+        """The first `n` drafted tokens."""
+        q = None if self.q is None or n <= 0 else self.q[:n]
+        return Draft(self.tokens[:n], self.predicted, q, self.key)
 
 
 def _matches(source: np.ndarray, limit: int, suffix: np.ndarray) -> np.ndarray:
@@ -171,6 +197,25 @@ class DraftLength:
         self.idle = 0
         trials = accepted + (1 if accepted < drafted else 0)
         self.accepted += (accepted / trials - self.accepted) * 0.4
+
+
+@dataclass
+class DraftTiming:
+    """What a draft model's tokens cost: seconds per drafted token (its forwards for one
+    row, a running average) and seconds spent drafting in all (runtime/batch/
+    speculative.py leaves them out of a verify step's own cost)."""
+
+    seconds: float = 0.0
+    spent: float = 0.0
+    prior: float = 0.0  # a drafted token's cost in plain steps until one is measured
+
+    def measured(self, took: float, tokens: int) -> None:
+        self.spent += took
+        if tokens > 0:
+            sample = took / tokens
+            self.seconds = (
+                sample if self.seconds <= 0 else self.seconds + (sample - self.seconds) * 0.2
+            )
 
 
 @dataclass

@@ -104,7 +104,10 @@ class PromptPrefill:
         """The snapshot points inside the next chunk of up to `n` tokens that it goes
         past (`_inside`), taken off the points the chunk stops at: the caller records
         them once the chunk is in."""
-        inside = self._inside(n) if self.images is None else []
+        # a chunk of a prompt with images may end short of `n` (`PromptImages.chunk`),
+        # unless they are causal: then the points it goes past are known here
+        causal = self.images is None or self.images.causal
+        inside = self._inside(n) if causal else []
         self.marks = [m for m in self.marks if m not in inside]
         return inside
 

@@ -18,6 +18,7 @@ from runtime.batch.generate import CausalLM, sample_arrays
 from runtime.batch.prompt_prefill import PromptPrefill
 from runtime.batch.sequence import Seq
 from runtime.cache import BatchCaches, RaggedCache
+from runtime.models.base import rows_layout
 from runtime.prefix import RowState
 from runtime.vision.spans import decode_forward
 
@@ -38,6 +39,9 @@ class RunningBatch:
         self.rows: list[Seq] = []
         self.caches: BatchCaches | None = None
         self.row_bytes = (0, 0)  # (per token, per row) as measured on the batch
+        self.padded_bytes = 0  # of row_bytes' per token, in layers whose rows pad
+        # full-attention rows in buffers of their own (runtime/cache/rows.py), not padded
+        self.own_rows = batched and rows_layout(model, make_caches())
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -53,13 +57,16 @@ class RunningBatch:
 
     def projected(self, joining: Seq | None = None) -> int:
         """The batch caches' bytes, every row (and `joining`) at its longest (prompt +
-        max_tokens, padded)."""
+        max_tokens): its own length in layers that keep rows apart, the longest row's
+        in those that pad."""
         rows = self.rows if joining is None else [*self.rows, joining]
         per_token, per_row = self.row_bytes
         if not rows:
             return 0
-        longest = max(len(r.out.progress.prompt) + r.out.max_tokens for r in rows)
-        return len(rows) * (longest * per_token + per_row)
+        lengths = [len(r.out.progress.prompt) + r.out.max_tokens for r in rows]
+        padded = self.padded_bytes if self.own_rows else per_token
+        own = (per_token - padded) * sum(lengths)
+        return own + len(rows) * (max(lengths) * padded + per_row)
 
     def fits(self, seq: Seq, budget: int) -> bool:
         """Whether the caches, with `seq` joined and every row at its longest, stay
@@ -76,9 +83,10 @@ class RunningBatch:
         """Add `seq`, its prompt read into `caches` (the trie's live ones: copied)."""
         if self.batched:
             if self.caches is None:
-                self.caches = BatchCaches(caches)
+                self.caches = BatchCaches(caches, rows=self.own_rows)
             self.caches.add(caches)
             self.row_bytes = self.caches.bytes_per_token()
+            self.padded_bytes = self.caches.padded_bytes_per_token()
         else:
             seq.caches = _copy(caches, self._make())
         self.rows.append(seq)

@@ -238,7 +238,7 @@ class Scheduler:
                     return done + self.abort(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
         elif not verifying:  # (a verify step times itself)
             self.pacing.decode_step(took)
-        self.speculation.plan(self.running)
+        self.speculation.plan(self.running, self._rates()[0])
         return done
 
     def _leave(self, ended: list[int]) -> list[tuple[RequestHandle, Finished]]:

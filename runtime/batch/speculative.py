@@ -16,25 +16,42 @@ decode_attention.c), and the small-row matmuls compute each row on its own.
 The batch's token caches keep every row's newest token in one column (left padding), so
 a step commits the same number of columns for every row: the fewest any row kept. A row
 that kept more feeds those tokens again next step (known tokens, never sampled twice);
-the rejected columns are rewound, so the prefix trie only ever sees accepted tokens.
+the rejected columns are rewound, so the prefix trie only ever sees accepted tokens. A
+row drafts what its known tokens leave of the step's length: one that kept fewer drafts
+as many as the others feed again, and accepted, lets them commit. A hybrid's recurrent
+layers cannot forget tokens: through a verify forward they keep their states after each
+position, one token at a time as decoding computes them, and rewinding takes the states
+after the committed columns (runtime/cache/batch_recurrent.py).
 
 Steps are synchronous (a row's draft needs its newest token on the host); the batch goes
 back to pipelined decode (runtime/batch/running.py) as soon as no row drafts.
+
+With a draft model (runtime/batch/draft_model.py), rows whose sampler draws get drafts
+drawn from the draft's distribution, checked by rejection sampling (runtime/batch/
+rejection.py): the output keeps the target's distribution, not its exact tokens. Its
+forwards cost time, measured, which the choice of draft length weighs. A row whose
+draft caches lag (a long prompt) catches up a bounded read a step, and meanwhile no
+row drafts (`behind`): the others' accepted drafts would only be fed again each step.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from runtime.batch.drafts import MAX_DRAFT, SPECULATIVE_MODES, Draft, Lookup
+from runtime.batch.draft_model import DraftModel, ModelLookup, propose_all
+from runtime.batch.drafts import MAX_DRAFT, SPECULATIVE_MODES, Draft, DraftTiming, Lookup
 from runtime.batch.generate import SampledToken, read_sampled
 from runtime.batch.history import SharedHistory
+from runtime.batch.rejection import checked_tokens
 from runtime.batch.running import Agree, RunningBatch
 from runtime.batch.sequence import Seq
 from runtime.types import GenerationRequest
+
+log = logging.getLogger(__name__)
 
 # tokens a verify step's rows may hold in all (rows x L): the small-row kernels' range
 # (runtime/kernels/primitives.SMALL_ROWS) and the decode attention's (16 per row)
@@ -55,12 +72,23 @@ class SpecStats:
     # steps, beta(B) = B * ratio / (1 + B * ratio). Measured on the running batch;
     # Qwen2.5-0.5B on 2 EPYC cores: beta(1) 0.3, so ratio 0.45 and beta(8) 0.78.
     ratio: float = 0.45
-    measure: bool = True  # False: the ratio holds (tests pin the cost model)
+    # False: the ratio holds and a draft model's tokens cost nothing (tests pin the model)
+    measure: bool = True
     # a verify step is synchronous: the host's work no longer overlaps the forward
     sync: float = 0.08
+    draft: DraftTiming = field(default_factory=DraftTiming)  # a draft model's, measured
+    plain: float = 0.0  # a plain step's seconds, as the scheduler last measured it
 
     def beta(self, rows: int) -> float:
         return rows * self.ratio / (1.0 + rows * self.ratio)
+
+    def draft_cost(self) -> float:
+        """A draft model's drafted token (its forward for one row) in plain steps."""
+        if not self.measure:
+            return 0.0
+        if self.draft.seconds > 0 and self.plain > 0:
+            return self.draft.seconds / self.plain
+        return self.draft.prior
 
     def measured(self, rows: int, length: int, took: float, plain: float) -> None:
         """A verify step of `rows` rows of `length` tokens took `took` seconds from its
@@ -86,6 +114,17 @@ class Speculation:
         self.history = SharedHistory() if mode == "trie" else None
         self.stats = SpecStats()
         self.verifying = False  # the next step is a verify step
+        self.model: DraftModel | None = None  # `draft`: the draft model (`attach`)
+
+    def attach(self, model: DraftModel) -> None:
+        """Draft with `model` (`--speculative draft`); its cost goes into the stats."""
+        self.model = model
+        model.timing = self.stats.draft
+        self.stats.draft.prior = model.prior
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.model.close()
 
     def drafts(self, request: GenerationRequest) -> bool:
         """Whether a request's sequence drafts: as it says, else when it has a predicted
@@ -99,6 +138,12 @@ class Speculation:
     def start(self, seq: Seq) -> None:
         """Drafting state for a sequence joining the batch: its prompt and output so
         far, and its prediction."""
+        if self.model is not None and seq.images is None:
+            try:
+                seq.lookup = self.model.start(seq)
+                return
+            except Exception:  # the row drafts by prompt lookup instead
+                log.exception("the draft model failed to read a prompt")
         p = seq.out.progress
         seq.lookup = Lookup(
             p.prompt + tuple(p.generated), seq.request.prediction, len(p.prompt), self.history
@@ -108,72 +153,133 @@ class Speculation:
         """A sequence left the batch: what it wrote is there for others to draft from."""
         if self.history is not None and seq.lookup is not None:
             self.history.add(seq.lookup.tokens)
+        if self.model is not None and isinstance(seq.lookup, ModelLookup):
+            self.model.finished(seq.lookup)
 
     def step(self, batch: RunningBatch, plain: float, agree: Agree) -> list[int]:
         """A verify step (`verify_step`); `plain`: a plain step's seconds."""
         return verify_step(batch, self.stats, plain, agree)[0]
 
-    def plan(self, batch: RunningBatch) -> None:
-        """Decide whether the next step verifies; when the batch goes back to pipelined
-        steps, rows forget the tokens a verify step would feed."""
+    def plan(self, batch: RunningBatch, step_seconds: float = 0.0) -> None:
+        """Decide whether the next step verifies, after a draft model's rows that are
+        behind caught up by one step's reading (`DraftModel.catch_up`; `step_seconds`: a
+        plain step's); when the batch goes back to pipelined steps, rows forget the
+        tokens a verify step would feed."""
         before = self.verifying
-        self.verifying = (
-            bool(batch.rows) and can_speculate(batch) and wants_drafts(batch, self.stats)
-        )
+        able = bool(batch.rows) and can_speculate(batch)
+        if able and self.model is not None:
+            self.model.catch_up(behind(batch.rows, self.stats), step_seconds)
+        self.verifying = able and wants_drafts(batch, self.stats)
         if before and not self.verifying:
             for row in batch.rows:
                 row.feed = []
 
 
 def can_speculate(batch: RunningBatch) -> bool:
-    """Whether the batch's rows can verify drafts: batched, rewindable caches (token
-    caches; recurrent layers cannot go back), text positions (no image rope shift)."""
-    caches = batch.caches
-    return caches is not None and caches.rewindable and all(r.shift == 0 for r in batch.rows)
+    """Whether the batch's rows can verify drafts: batched caches (token caches rewind;
+    a hybrid's recurrent layers keep their states at each verified position), text
+    positions (no image rope shift)."""
+    return batch.caches is not None and all(r.shift == 0 for r in batch.rows)
 
 
 def wants_drafts(batch: RunningBatch, stats: SpecStats) -> bool:
     """Whether the next step should be a verify step: some row has known tokens to feed
     again, or drafts worth checking (after a pipelined step, judged without the token
     still on its way: a match at the sequence's end is what makes one likely)."""
-    if any(len(row.feed) > 1 for row in batch.rows):
+    rows = batch.rows
+    if any(len(row.feed) > 1 for row in rows):
         return True
-    return any(d.tokens for d in plan_drafts(batch.rows, stats))
+    if any(r.lookup is not None and r.lookup.costly for r in rows):
+        # a draft model drafts whatever length it is asked: judged without drafting
+        if not behind(rows, stats) and _best_length(rows, _offered(rows), stats):
+            return True
+        for row in rows:
+            row.drafting.skip()
+        return False
+    return any(d.tokens for d in plan_drafts(rows, stats))
+
+
+def behind(rows: list[Seq], stats: SpecStats) -> list[ModelLookup]:
+    """The draft model's rows whose caches must catch up before they draft, where
+    drafting would pay were they caught up (none where it would not: they read nothing).
+    Meanwhile no row drafts: a step commits as many columns for every row as the row
+    that kept fewest, so the others' accepted drafts would be fed again step after step
+    (at a verify step's cost) until the rows catching up could draft as many."""
+    late = [r.lookup for r in rows if isinstance(r.lookup, ModelLookup) and not r.lookup.ready]
+    if not late:
+        return []
+    return late if _best_length(rows, _offered(rows, every=True), stats) else []
 
 
 def plan_drafts(rows: list[Seq], stats: SpecStats) -> list[Draft]:
     """Each row's draft for one step, the batch's draft length chosen together: every
     row pads to the longest, so a length is worth what all rows expect to gain from it
     (a row without a draft gains nothing) against what the step costs, and nothing is
-    drafted where no length beats a plain step. Within the budget of rows x L tokens.
-    The rows' texts are searched only where drafts of every length offered could pay."""
-    known = max(len(row.feed) for row in rows) if rows else 1
-    top = min(VERIFY_LENGTH, max(VERIFY_ROWS // max(1, len(rows)), 1)) - known
+    drafted where no length beats the step the batch would take without drafts. Within
+    the budget of rows x L tokens: a row drafts what its known tokens leave of L. The
+    rows' texts are searched only where drafts of every length offered could pay; a
+    draft model is asked for that length only."""
     offers = [Draft()] * len(rows)
-    if _best_length(rows, [top if r.lookup is not None else 0 for r in rows], known, stats):
-        offers = [r.lookup.propose(_room(r)) if r.lookup is not None else Draft() for r in rows]
-    best = _best_length(rows, [len(d.tokens) for d in offers], known, stats)
+    room = _offered(rows)
+    first = 0 if behind(rows, stats) else _best_length(rows, room, stats)
+    if first:
+        asks = [_ask(r, min(first, n)) if n else 0 for r, n in zip(rows, room, strict=True)]
+        offers = propose_all([r.lookup for r in rows], asks)  # a draft model's, together
+    lengths = [min(len(d.tokens), n) for d, n in zip(offers, room, strict=True)]
+    best = _best_length(rows, lengths, stats)
     out = []
-    for row, d in zip(rows, offers, strict=True):
-        kept = Draft(d.tokens[:best], d.predicted)
+    for d, n, row in zip(offers, lengths, rows, strict=True):
+        kept = d.cut(min(best, n))
         if not kept.tokens:
             row.drafting.skip()
         out.append(kept)
     return out
 
 
-def _best_length(rows: list[Seq], offered: list[int], known: int, stats: SpecStats) -> int:
+def _known(row: Seq) -> int:
+    """The tokens a row feeds before its drafts: its newest and those fed again."""
+    return max(1, len(row.feed))
+
+
+def _offered(rows: list[Seq], *, every: bool = False) -> list[int]:
+    """The most tokens each row could draft: what its known tokens leave of the step's
+    length (0: it does not draft, or not yet: a draft model's caches catching up;
+    `every`: as if they had)."""
+    top = min(VERIFY_LENGTH, max(VERIFY_ROWS // max(1, len(rows)), 1))
+    return [max(0, top - _known(r)) if r.lookup is not None and (every or r.lookup.ready) else 0
+            for r in rows]  # fmt: skip
+
+
+def _ask(row: Seq, length: int) -> int:
+    """The tokens to ask a row's drafter for: a draft model `length` (its tokens cost),
+    prompt lookup all it may use (a longer search costs nothing more)."""
+    if row.lookup is None:
+        return 0
+    room = _room(row)
+    return min(room, length) if row.lookup.costly else room
+
+
+def _best_length(rows: list[Seq], offered: list[int], stats: SpecStats) -> int:
     """The draft length that yields most tokens per unit of step cost, when each row
-    offers `offered` tokens (0: no draft); 0 where none beats a plain step."""
-    top = min(VERIFY_LENGTH, max(VERIFY_ROWS // max(1, len(rows)), 1)) - known
+    offers `offered` tokens (0: no draft); 0 where none beats the step without drafts
+    (a plain one, or a verify step feeding known tokens again)."""
     beta = stats.beta(len(rows))
-    best, value = 0, float(len(rows))  # a plain step: a token a row, at cost 1
-    for k in range(1, max(0, min(top, max(offered, default=0))) + 1):
+    known = [_known(r) for r in rows]
+    # a draft model's rows pay for each token they draft (its forwards)
+    per_token = stats.draft_cost()
+    costly = [n if r.lookup is not None and r.lookup.costly else 0
+              for r, n in zip(rows, offered, strict=True)]  # fmt: skip
+    longest = max(known, default=1)
+    base = 1.0 if longest == 1 else 1.0 + stats.sync + beta * (longest - 1)
+    best, value = 0, len(rows) / base  # a token a row
+    for k in range(1, max(offered, default=0) + 1):
         gain = sum(
             row.drafting.expected(min(k, n)) if n else 1.0
             for row, n in zip(rows, offered, strict=True)
         )
-        worth = gain / (1.0 + stats.sync + beta * (known - 1 + k))
+        length = max(m + min(k, n) for m, n in zip(known, offered, strict=True))
+        drafting = per_token * sum(min(k, n) for n in costly)
+        worth = gain / (1.0 + stats.sync + beta * (length - 1) + drafting)
         if worth > value * 1.02:
             best, value = k, worth
     return best
@@ -210,7 +316,10 @@ def verify_step(
     if ended:
         return ended, 0  # they leave first: no columns are written for them
     began = time.perf_counter()  # after the reads: a pipelined step's wait is not ours
+    stats.plain = plain
+    spent = stats.draft.spent
     drafts = plan_drafts(rows, stats)
+    drafting = stats.draft.spent - spent  # a draft model's forwards: not the verify's cost
     if all(len(r.feed) == 1 and not d.tokens for r, d in zip(rows, drafts, strict=True)):
         # nothing to check after all: a plain step, pipelined again from here
         for row in rows:
@@ -219,6 +328,7 @@ def verify_step(
     inputs = [row.feed + list(d.tokens) for row, d in zip(rows, drafts, strict=True)]
     length = max(len(x) for x in inputs)
     padded = [x + [x[-1]] * (length - len(x)) for x in inputs]
+    caches.keep_steps()  # recurrent layers: the states `rewind` goes back to
     hidden = batch.model.forward(mx.array(padded, dtype=mx.int32), caches.layers)
     # logits only where a row samples: from its last known token through its drafts
     at = [i * length + p for i, row in enumerate(rows)
@@ -237,6 +347,10 @@ def verify_step(
         cursor += 1 + len(draft.tokens)
         if fast[i]:
             done, matched, accepted, token = _check_greedy(row, draft, top[span])
+        elif draft.q is not None and draft.key is not None:  # drawn from a distribution
+            params = row.sampler.params
+            drawn = checked_tokens(logits[span], draft.tokens, draft.q, draft.key, params)
+            done, matched, accepted, token = _check_greedy(row, draft, drawn)
         else:
             done, matched, accepted, token = _check(row, draft, logits[span])
         kept.append(known + matched)  # columns holding accepted tokens
@@ -252,7 +366,7 @@ def verify_step(
         row.feed = row.feed[commit:]
         row.input = mx.array(row.feed[-1:], dtype=mx.int32)
     stats.steps += 1
-    stats.measured(len(rows), length, time.perf_counter() - began, plain)
+    stats.measured(len(rows), length, time.perf_counter() - began - drafting, plain)
     return ended, length
 
 
@@ -272,8 +386,9 @@ def _check(row: Seq, draft: Draft, logits: mx.array) -> tuple[bool, int, int, in
 
 
 def _check_greedy(row: Seq, draft: Draft, best: list[int]) -> tuple[bool, int, int, int]:
-    """`_check` for a plain greedy row (Sampler.plain_greedy): its tokens are the
-    positions' argmax, read at once."""
+    """`_check` for tokens chosen at once: a plain greedy row's (Sampler.plain_greedy:
+    the positions' argmax), or those rejection sampling kept (runtime/batch/rejection.py:
+    the drafted tokens accepted, then one that differs from the draft there)."""
     for j, token in enumerate(best):
         hit = j < len(draft.tokens) and token == draft.tokens[j]
         if row.take(SampledToken(token, None, ())):

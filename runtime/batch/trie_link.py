@@ -39,8 +39,11 @@ class TrieLink:
         self.write_back()  # the trie's live caches are free only between prefills
         req = seq.request
         seq.images = PromptImages.of(self._model, req.images, req.prompt_tokens)
-        keys = req.prompt_tokens if seq.images is None else seq.images.keys(req.prompt_tokens)
-        lease = self.prefix.begin(keys, pin=req.pin, boundaries=req.boundaries)
+        keys, points = req.prompt_tokens, req.boundaries
+        if seq.images is not None:  # keyed by content; restore points after each image
+            keys = seq.images.keys(keys)
+            points = seq.images.restore_points(points)
+        lease = self.prefix.begin(keys, pin=req.pin, boundaries=points)
         self._on_begin(lease)
         seq.out.progress.reused = lease.reused
         seq.out.progress.cache = lease.report

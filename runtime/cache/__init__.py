@@ -29,12 +29,14 @@ from runtime.cache.quantized import (
 from runtime.cache.ragged import RaggedCache
 from runtime.cache.recurrent import RecurrentCache, RecurrentSnapshot, RecurrentState
 from runtime.cache.rotating import RotatingKVCache, RotatingSnapshot
+from runtime.cache.rows import BatchQuantizedRows, RowTokenCache, Writer
 
 __all__ = [
     "KV_BITS",
     "ArraySnapshot",
     "BatchCaches",
     "BatchQuantizedCache",
+    "BatchQuantizedRows",
     "BatchTokenCache",
     "Cache",
     "KVCache",
@@ -51,8 +53,10 @@ __all__ = [
     "RecurrentState",
     "RotatingKVCache",
     "RotatingSnapshot",
+    "RowTokenCache",
     "RowView",
     "Snapshot",
+    "Writer",
     "batchable",
     "codec",
     "quantizing",

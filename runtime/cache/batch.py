@@ -10,11 +10,15 @@ cut back into per-sequence caches when they leave, for the prefix trie.
   per-row offsets) and `make_mask` hides each row's padding (and what lies outside a
   sliding window; a windowed row keeps its older tokens until it leaves, then only the
   window goes back).
-- Recurrent caches stack their fixed-size states along the batch axis.
+- Recurrent caches stack their fixed-size states along the batch axis
+  (runtime/cache/batch_recurrent.py).
 - Quantized KV caches (runtime/cache/quantized.py) batch each of their three parts
   (codes, scales, biases) as a token cache of its own.
 
-Joining or leaving copies the buffers once; steps in between write in place.
+Joining or leaving copies the buffers once; steps in between write in place. With
+`rows`, full-attention layers (plain or quantized) keep each row in buffers of its own
+instead (runtime/cache/rows.py): no padding, no copies to join or leave; the CPU
+kernels read them there.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ from typing import TypeAlias
 
 import mlx.core as mx
 
+from runtime.cache.batch_recurrent import BatchRecurrentCache
 from runtime.cache.kv import KVCache
 from runtime.cache.mask import Mask
 from runtime.cache.quantized import Quantized, QuantizedKVCache, append
-from runtime.cache.recurrent import RecurrentCache, RecurrentSnapshot
+from runtime.cache.recurrent import RecurrentCache
 from runtime.cache.rotating import RotatingKVCache, RotatingSnapshot
+from runtime.cache.rows import BatchQuantizedRows, RowTokenCache
 
 _STEP = 256  # spare columns added at a time
 
@@ -253,70 +259,6 @@ def _pad_left(x: mx.array, n: int) -> mx.array:
     return mx.concatenate([mx.zeros((b, h, n, d), dtype=x.dtype), x], axis=2)
 
 
-class BatchRecurrentCache:
-    """Rows of recurrent caches: conv and recurrent states stacked on the batch axis."""
-
-    def __init__(self) -> None:
-        self.conv_state: mx.array | None = None
-        self.recurrent_state: mx.array | None = None
-        self._pos: list[int] = []
-
-    @property
-    def rows(self) -> int:
-        return len(self._pos)
-
-    @property
-    def offset(self) -> mx.array:
-        return mx.array(self._pos, dtype=mx.int32)
-
-    @property
-    def state(self) -> list[mx.array]:
-        return [a for a in (self.conv_state, self.recurrent_state) if a is not None]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in self.state)
-
-    def update(self, conv_state: mx.array, recurrent_state: mx.array, length: int) -> None:
-        self.conv_state, self.recurrent_state = conv_state, recurrent_state
-        self._pos = [p + length for p in self._pos]
-
-    def add(self, cache: RecurrentCache) -> None:
-        if cache.conv_state is None or cache.recurrent_state is None:
-            raise ValueError("a recurrent row joins only after its prompt has run")
-        if self.conv_state is None or self.recurrent_state is None:
-            self.conv_state, self.recurrent_state = cache.conv_state, cache.recurrent_state
-        else:
-            self.conv_state = mx.concatenate([self.conv_state, cache.conv_state], axis=0)
-            self.recurrent_state = mx.concatenate(
-                [self.recurrent_state, cache.recurrent_state], axis=0
-            )
-        self._pos.append(cache.offset)
-
-    def remove(self, rows: Sequence[int]) -> None:
-        keep = [i for i in range(self.rows) if i not in set(rows)]
-        if not keep:
-            self.conv_state = self.recurrent_state = None
-            self._pos = []
-            return
-        assert self.conv_state is not None and self.recurrent_state is not None
-        index = mx.array(keep, dtype=mx.int32)
-        self.conv_state = mx.take(self.conv_state, index, axis=0)
-        self.recurrent_state = mx.take(self.recurrent_state, index, axis=0)
-        self._pos = [self._pos[i] for i in keep]
-
-    def row(self, i: int) -> RecurrentCache:
-        assert self.conv_state is not None and self.recurrent_state is not None
-        out = RecurrentCache()
-        snap = RecurrentSnapshot(
-            mx.contiguous(self.conv_state[i : i + 1]),
-            mx.contiguous(self.recurrent_state[i : i + 1]),
-            self._pos[i],
-        )
-        out.restore(snap, self._pos[i])
-        return out
-
-
 class BatchQuantizedCache:
     """Rows of quantized KV caches: each of their parts (codes, scales, biases) in a
     `BatchTokenCache` of its own, so they pad, widen, lend and leave as plain rows do."""
@@ -395,16 +337,21 @@ class BatchQuantizedCache:
         return QuantizedKVCache.of(self.bits, self.group_size, parts)  # type: ignore[arg-type]
 
 
-BatchCache: TypeAlias = BatchTokenCache | BatchRecurrentCache | BatchQuantizedCache
+BatchCache: TypeAlias = (
+    BatchTokenCache | BatchRecurrentCache | BatchQuantizedCache | RowTokenCache | BatchQuantizedRows
+)
+_TOKENS = (BatchTokenCache, BatchQuantizedCache, RowTokenCache, BatchQuantizedRows)
 
 
 class BatchCaches:
-    """One `BatchCache` per layer, and the rows (sequences) they hold, in order."""
+    """One `BatchCache` per layer, and the rows (sequences) they hold, in order;
+    `rows`: full-attention layers keep each row in buffers of its own (the module
+    docstring)."""
 
-    def __init__(self, template: Sequence[object]) -> None:
+    def __init__(self, template: Sequence[object], *, rows: bool = False) -> None:
         if not batchable(template):
             raise ValueError("these caches cannot be batched")
-        self.layers: list[BatchCache] = [_batch_layer(c) for c in template]
+        self.layers: list[BatchCache] = [_batch_layer(c, rows) for c in template]
 
     @property
     def rows(self) -> int:
@@ -418,11 +365,16 @@ class BatchCaches:
         """(bytes a row adds per token it holds, bytes a row holds whatever its length)."""
         per_token = fixed = 0
         for layer in self.layers:
-            if isinstance(layer, (BatchTokenCache, BatchQuantizedCache)):
+            if isinstance(layer, _TOKENS):
                 per_token += layer.token_bytes()
             elif layer.rows:
                 fixed += layer.nbytes // layer.rows
         return per_token, fixed
+
+    def padded_bytes_per_token(self) -> int:
+        """The part of `bytes_per_token` in layers whose rows pad to the longest."""
+        padded = (BatchTokenCache, BatchQuantizedCache)
+        return sum(x.token_bytes() for x in self.layers if isinstance(x, padded))
 
     def add(self, caches: Sequence[object]) -> None:
         """Join one sequence's caches (one per layer) as the last row."""
@@ -434,16 +386,21 @@ class BatchCaches:
         for layer in self.layers:
             layer.remove(rows)
 
-    @property
-    def rewindable(self) -> bool:
-        """Whether every layer can forget its rows' last tokens (`rewind`): token caches
-        can; a recurrent layer's state cannot go back without its earlier states."""
-        return all(isinstance(x, (BatchTokenCache, BatchQuantizedCache)) for x in self.layers)
+    def keep_steps(self) -> None:
+        """Before a forward whose last tokens `rewind` may take back: recurrent layers
+        keep their states after each of its positions (runtime/cache/batch_recurrent.py);
+        token caches need nothing kept."""
+        for layer in self.layers:
+            if isinstance(layer, BatchRecurrentCache):
+                layer.keep_steps()
 
     def rewind(self, n: int) -> None:
-        """Every row forgets its last `n` tokens in every layer."""
+        """Every row forgets its last `n` tokens in every layer (recurrent layers: only
+        within a forward that kept its steps, `keep_steps`; ValueError, and no layer
+        changed, where one cannot)."""
+        if not all(x.can_rewind(n) for x in self.layers if isinstance(x, BatchRecurrentCache)):
+            raise ValueError(f"cannot rewind {n} tokens: no state was kept there")
         for layer in self.layers:
-            assert isinstance(layer, (BatchTokenCache, BatchQuantizedCache))
             layer.rewind(n)
 
     def row(self, i: int) -> list[RowCache]:
@@ -455,17 +412,20 @@ class BatchCaches:
         """Row `i`'s keys and values in every layer, without a copy; None unless every
         layer is a full-attention token cache (all plain or all quantized)."""
         layers = self.layers
-        if all(isinstance(x, BatchTokenCache) and x.plain for x in layers):
+        plain = (BatchTokenCache, RowTokenCache)
+        if all(isinstance(x, plain) and x.plain for x in layers):
             return [layer.view(i) for layer in layers]  # type: ignore[union-attr]
-        if all(isinstance(x, BatchQuantizedCache) for x in layers):
+        if all(isinstance(x, (BatchQuantizedCache, BatchQuantizedRows)) for x in layers):
             return [layer.view(i) for layer in layers]  # type: ignore[union-attr]
         return None
 
 
-def _batch_layer(cache: object) -> BatchCache:
+def _batch_layer(cache: object, rows: bool) -> BatchCache:
     if isinstance(cache, RecurrentCache):
         return BatchRecurrentCache()
     if isinstance(cache, QuantizedKVCache):
-        return BatchQuantizedCache(cache)
+        return BatchQuantizedRows(cache) if rows else BatchQuantizedCache(cache)
+    if rows and type(cache) is KVCache:
+        return RowTokenCache(step=cache.step)
     assert isinstance(cache, (KVCache, RotatingKVCache))
     return BatchTokenCache(cache)

@@ -30,12 +30,26 @@ class RecurrentSnapshot(ArraySnapshot):
 
 @runtime_checkable
 class RecurrentState(Protocol):
-    """What a recurrent layer reads and writes: one sequence's cache, or a batch's."""
+    """What a recurrent layer reads and writes: one sequence's cache, or a batch's.
+
+    Both can ask the layer for its states at positions inside a chunk (`cuts`), which it
+    hands over on its way (`keep`): restore points a chunk goes past, for the prefix
+    trie (`RecurrentCache.capture`) or for a speculative step's rejected tokens
+    (runtime/cache/batch_recurrent.py)."""
 
     conv_state: mx.array | None
     recurrent_state: mx.array | None
 
     def update(self, conv_state: mx.array, recurrent_state: mx.array, length: int) -> None: ...
+
+    def cuts(self, length: int) -> tuple[int, ...]:
+        """The positions 0 < p < length of the next chunk of `length` tokens after which
+        the layer hands its states over (`keep`), ascending."""
+        ...
+
+    def keep(self, at: int, conv_state: mx.array, recurrent_state: mx.array) -> None:
+        """The states after the chunk's first `at` tokens (called before `update`)."""
+        ...
 
 
 class RecurrentCache:
@@ -66,8 +80,12 @@ class RecurrentCache:
         calls `keep`); what an earlier chunk kept is dropped."""
         self.wanted, self.captured = offsets, {}
 
-    def keep(self, offset: int, conv_state: mx.array, recurrent_state: mx.array) -> None:
-        self.captured[offset] = (conv_state, recurrent_state)
+    def cuts(self, length: int) -> tuple[int, ...]:
+        at = self._offset
+        return tuple(sorted({w - at for w in self.wanted if 0 < w - at < length}))
+
+    def keep(self, at: int, conv_state: mx.array, recurrent_state: mx.array) -> None:
+        self.captured[self._offset + at] = (conv_state, recurrent_state)
 
     @property
     def state(self) -> list[mx.array]:

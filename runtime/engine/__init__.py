@@ -8,6 +8,7 @@ from runtime.engine.activity import Activity, ActivityView, RequestRecord, RowVi
 from runtime.engine.encoder import EncoderRunner, EncoderSettings
 from runtime.engine.engine import Engine
 from runtime.engine.runner import CacheView, ModelRunner, RunnerSettings
+from runtime.engine.turns import Turn, Turns
 from runtime.engine.types import (
     BatchRunner,
     EngineFailure,
@@ -41,4 +42,6 @@ __all__ = [
     "RowView",
     "Runner",
     "RunnerSettings",
+    "Turn",
+    "Turns",
 ]

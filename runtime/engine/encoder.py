@@ -2,11 +2,15 @@
 engine's queue, worker, watchdog and handles serve it as they serve a chat model).
 
 Inputs of every admitted request wait in one queue, each request's longest first; a
-`step` runs one piece of them: as many as fit `piece_tokens` padded tokens, left-padded
-into one batch, through one forward, pooled (or scored) and copied out. A request of
+piece of them is as many as fit `piece_tokens` padded tokens, left-padded into one batch,
+run through the model a layer at a time, pooled (or scored) and copied out. A request of
 1,000 inputs is so many short steps, not one long forward: the worker beats its
-heartbeat and takes new requests between them, and another model's engine thread (a
-chat model's decode steps) runs between them too.
+heartbeat and takes new requests between them.
+
+The server's chat models come first (runtime/engine/turns.py): while one has work, each
+layer of a piece waits for a turn between its steps, one layer a worker step, and a
+piece holds as many tokens as a layer can compute in the time a turn allows; while
+none has, a step runs a whole piece of `piece_tokens`.
 
 An input identical to one computed recently is served from a small LRU of rows; one
 identical to an input still waiting joins it, so it is computed once.
@@ -14,10 +18,12 @@ identical to an input still waiting joins it, so it is computed once.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
+from runtime.engine.turns import Turn, Turns
 from runtime.load import EncoderTask, LoadedEncoder, ScoreActivation
 from runtime.models import pool
 from runtime.types import (
@@ -71,13 +78,31 @@ class _Job:
     started: float = field(default_factory=time.perf_counter)
 
     def finished(self) -> Encoded:
+        seconds = time.perf_counter() - self.started
         stats = GenerationStats(
             prompt_tokens=self.tokens,
             completion_tokens=0,
             cached_tokens=self.cached_tokens,
-            prefill_seconds=time.perf_counter() - self.started,
+            prefill_seconds=seconds,
         )
+        log.debug(
+            "encode request: inputs=%d tokens=%d cached=%d seconds=%.3f (%.1f inputs/s, "
+            "%.0f tokens/s)", len(self.inputs), self.tokens, self.cached_tokens, seconds,
+            len(self.inputs) / max(seconds, 1e-9), self.tokens / max(seconds, 1e-9),
+        )  # fmt: skip
         return Encoded(FinishReason.STOP, stats, values=self.values)
+
+
+@dataclass
+class _Piece:
+    """A piece being computed: its inputs and the model's layers still to run."""
+
+    keys: list[_Key]
+    padding: list[int]
+    tokens: int  # padded: rows x width
+    layers: Iterator[mx.array]  # each layer's output, built when asked for
+    left: int  # layers not yet run
+    seconds: float = 0.0
 
 
 class EncoderRunner:
@@ -92,10 +117,13 @@ class EncoderRunner:
         self._waiting: dict[_Key, list[tuple[_Job, int]]] = {}  # input -> rows it fills
         self._recent: OrderedDict[_Key, npt.NDArray[np.float32]] = OrderedDict()
         self._stream: Any = None
+        self._piece: _Piece | None = None
+        self.turns: Turns | None = None  # the server's (take_turns); None: never waits
         self.pieces = 0  # forwards run
         self.rows_computed = 0
         self.rows_reused = 0  # from the LRU or an identical waiting input
         self._piece_seconds = 0.0
+        self._token_seconds = 0.0  # one padded token through one layer, measured
 
     # -- the engine's side (runtime/engine/types.py's BatchRunner) --
 
@@ -135,15 +163,23 @@ class EncoderRunner:
         self._pending.extend(sorted(fresh, key=lambda k: len(k[0]), reverse=True))
         self._jobs.append(job)
 
+    def take_turns(self, turns: Turns) -> None:
+        """Compute in the time the server's chat models leave (runtime/engine/turns.py)."""
+        self.turns = turns
+
     def step(self) -> list[tuple[RequestHandle, Finished]]:
-        """One piece (see the module docstring); the requests that ended."""
+        """A piece, or one layer of it while a chat model has work (see the module
+        docstring); the requests that ended."""
         done = self._drop_cancelled()
-        piece = self._take_piece()
-        if piece:
-            if self._stream is None:
-                self._stream = mx.new_stream(mx.default_device())
-            with mx.stream(self._stream):
-                self._run(piece)
+        if self._stream is None:
+            self._stream = mx.new_stream(mx.default_device())
+        with mx.stream(self._stream):
+            if self._piece is None:
+                keys = self._take_piece(self._piece_tokens())
+                if keys:
+                    self._piece = self._start(keys)
+            if self._piece is not None:
+                self._advance(self._piece)
         for job in [j for j in self._jobs if j.left == 0]:
             self._jobs.remove(job)
             done.append((job.handle, job.finished()))
@@ -156,12 +192,14 @@ class EncoderRunner:
         self._jobs.clear()
         self._pending.clear()
         self._waiting.clear()
+        self._piece = None
         return ended
 
     def close(self) -> None:
         """Release every array and row held (the engine has stopped)."""
         self.abort(FinishReason.CANCELLED, "server shutting down")
         self._recent.clear()
+        self.turns = None
         self._stream = None
 
     def load(self) -> tuple[int, int, int, float]:
@@ -185,7 +223,16 @@ class EncoderRunner:
         ):
             raise ValueError(f"{where}: this model takes no second token type")
 
-    def _take_piece(self) -> list[_Key]:
+    def _piece_tokens(self) -> int:
+        """`piece_tokens`; while a chat model has work, what one layer computes in a
+        turn's time (one input at least)."""
+        limit = self.settings.piece_tokens
+        seconds = None if self.turns is None else self.turns.slice_seconds()
+        if seconds is None or self._token_seconds <= 0.0:
+            return limit
+        return max(1, min(limit, int(seconds / self._token_seconds)))
+
+    def _take_piece(self, limit: int) -> list[_Key]:
         """The oldest waiting input, and with it the longest others no longer than it
         (among the next WINDOW waiting) that fit piece_tokens at its width: the oldest
         is served first, and a piece holds little padding however requests interleave
@@ -196,7 +243,7 @@ class EncoderRunner:
             return []
         first = self._pending.popleft()
         width = len(first[0])
-        room = self.settings.piece_tokens // width - 1
+        room = limit // width - 1
         if room <= 0:
             return [first]
         fits = [
@@ -211,8 +258,8 @@ class EncoderRunner:
             self._pending = deque(key for key in self._pending if key not in taken)
         return [first, *chosen]
 
-    def _run(self, piece: list[_Key]) -> None:
-        started = time.perf_counter()
+    def _start(self, piece: list[_Key]) -> _Piece:
+        """The piece left-padded into one batch, its first layer queued."""
         loaded = self.loaded
         length = max(len(tokens) for tokens, _ in piece)
         ids = np.full((len(piece), length), loaded.model.args.pad_token_id, dtype=np.int32)
@@ -225,7 +272,40 @@ class EncoderRunner:
                 types[row, pad + second :] = 1
             padding.append(pad)
         paired = any(second is not None for _, second in piece)
-        hidden = loaded.model.forward(mx.array(ids), padding, mx.array(types) if paired else None)
+        types_in = mx.array(types) if paired else None
+        layers = loaded.model.layers(mx.array(ids), padding, types_in)
+        return _Piece(piece, padding, ids.size, layers, loaded.model.args.num_layers)
+
+    def _advance(self, piece: _Piece) -> None:
+        """Run the piece's layers: all of them while no chat model has work; one in a
+        turn while one has (the worker goes round between turns). A layer is built in
+        its turn: building may compute (a CPU kernel evaluates its input)."""
+        while piece.left:
+            with self._turn() as turn:
+                started = time.perf_counter()
+                hidden = next(piece.layers)
+                mx.eval(hidden)
+                piece.left -= 1
+                if not piece.left:
+                    self._finish(piece, hidden)
+                took = time.perf_counter() - started
+            piece.seconds += took
+            if not piece.left:
+                self._piece_seconds += (piece.seconds - self._piece_seconds) / min(self.pieces, 20)
+            self._token_seconds += (took / piece.tokens - self._token_seconds) * (
+                1.0 if self._token_seconds == 0.0 else 0.1
+            )
+            if turn.contended:
+                return
+
+    def _turn(self) -> contextlib.AbstractContextManager[Turn]:
+        if self.turns is None:
+            return contextlib.nullcontext(Turn(contended=False))
+        return self.turns.background()
+
+    def _finish(self, done: _Piece, hidden: mx.array) -> None:
+        loaded = self.loaded
+        piece, padding = done.keys, done.padding
         if loaded.pooling is not None:
             out = pool(hidden, padding, loaded.pooling)
         else:
@@ -239,8 +319,7 @@ class EncoderRunner:
                 self._fill(job, index, row)
         self.rows_computed += len(piece)
         self.pieces += 1
-        seconds = time.perf_counter() - started
-        self._piece_seconds += (seconds - self._piece_seconds) / min(self.pieces, 20)
+        self._piece = None
 
     def _fill(
         self, job: _Job, index: int, row: npt.NDArray[np.float32], *, reused: bool = False

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 from runtime.batch import RequestHandle
 from runtime.engine.request_queue import SHUTTING_DOWN, RequestQueue, ending
+from runtime.engine.turns import Turns
 from runtime.engine.types import (
     BatchRunner,
     EngineHealth,
@@ -93,6 +94,14 @@ class Engine:
                 return
             self._draining = False
             self._watchdog.start()
+
+    def take_turns(self, turns: Turns) -> None:
+        """Share the cores with the server's other engines (runtime/engine/turns.py): a
+        runner that offers `take_turns` (chat models' first, encoders' between their
+        steps) gets `turns`; call it before `start`."""
+        take = getattr(self._runner, "take_turns", None)
+        if take is not None:
+            take(turns)
 
     def watch(self) -> None:
         """Start the watchdog thread (the server's lifespan does, after `start`)."""

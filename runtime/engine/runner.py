@@ -19,9 +19,18 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from runtime.batch import DEFAULT_PREFILL_CHUNK, SPECULATIVE_MODES, Scheduler, SequenceOutput
+from runtime.batch import (
+    DEFAULT_PREFILL_CHUNK,
+    SPECULATIVE_MODES,
+    DraftModel,
+    Scheduler,
+    SequenceOutput,
+    check_vocabulary,
+    weight_ratio,
+)
 from runtime.cache import KV_BITS, quantizing
 from runtime.engine.activity import Activity
+from runtime.engine.turns import Turns
 from runtime.prefix import CacheReport, DiskTier, Lease, PrefixCache, TrieView, model_identity
 from runtime.text import DetokenizerTable, GrammarVocabulary, Sampler, TokenMatcher
 from runtime.types import Constraint, Finished, FinishReason
@@ -50,6 +59,8 @@ def default_cache_memory_bytes() -> int:
 
 
 DEFAULT_PREFIX_CACHE_DISK_BYTES = 8 * 1024**3
+# the draft model's prefix trie and its rows' caches take this share of the cache memory
+DRAFT_CACHE_SHARE = 1 / 8
 DEFAULT_BUFFER_CACHE_BYTES = 256 * 1024**2
 
 
@@ -103,9 +114,21 @@ class ModelRunner:
     prefix_cache_type: type[PrefixCache[Any]] = PrefixCache
     scheduler_type: type[Scheduler] = Scheduler
 
-    def __init__(self, loaded: LoadedModel, settings: RunnerSettings | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        settings: RunnerSettings | None = None,
+        draft: LoadedModel | None = None,
+    ) -> None:
+        """`draft`: the draft model of `speculative="draft"` (its tokenizer the target's)."""
         self.loaded = loaded
         self.settings = settings or RunnerSettings()
+        self.draft = draft if self.settings.speculative == "draft" else None
+        if self.settings.speculative == "draft" and draft is None:
+            raise ValueError("speculative 'draft' needs a draft model")
+        if draft is not None:
+            check_vocabulary(loaded.tokenizer, draft.tokenizer)
+        drafts = 0 if self.draft is None else _draft_bytes(self.settings)
         mx.set_cache_limit(self.settings.buffer_cache_bytes)
         tok = loaded.tokenizer
         self._detok_table = DetokenizerTable.build(tok.hf, tok.special_ids)
@@ -121,6 +144,7 @@ class ModelRunner:
         # held while a request runs, so a dump from another thread sees a settled trie
         self.lock = threading.Lock()
         self._stream: Any = None
+        self.turns: Turns | None = None  # the server's (take_turns)
         self._settled = self._settle()  # the view a busy engine answers with
         self.activity = Activity()  # the batch and the last requests, for the admin view
         self._grammar_vocab: GrammarVocabulary | None = None  # built on first use
@@ -130,11 +154,14 @@ class ModelRunner:
             make_caches=self.make_caches,
             max_batch=self.settings.max_batch,
             prefill_chunk=self.settings.prefill_chunk,
-            memory_bytes=self.settings.cache_memory_bytes,
+            memory_bytes=self.settings.cache_memory_bytes - drafts,
             # not a bound method: no cycle
             on_begin=_on_begin(loaded.tokenizer, self.activity),
             speculative=self.settings.speculative,
         )
+        if self.draft is not None:
+            drafter = _draft_model(loaded, self.draft, self.settings, drafts)
+            self.scheduler.speculation.attach(drafter)
 
     def grammar_vocabulary(self) -> GrammarVocabulary:
         """The model's vocabulary in the grammar engine, imported once (about 1.5 s for
@@ -218,8 +245,13 @@ class ModelRunner:
         """One scheduling step (a decode step for the batch, a prefill chunk)."""
         if self._stream is None:
             self._stream = mx.new_stream(mx.default_device())
-        with self.lock, mx.stream(self._stream):
+        turns, stream = self.turns, self._stream
+        with self.lock, mx.stream(stream):
+            if turns is not None:  # an encoder's slice may run first (runtime/engine/turns.py)
+                turns.before_step(id(self), lambda: mx.synchronize(stream))
             done = self.scheduler.step()
+            if turns is not None:
+                turns.after_step(id(self), busy=not self.scheduler.idle)
             if self.scheduler.idle:
                 # a finished row's last step may still run on the device: let it end
                 # here, not at interpreter exit
@@ -236,15 +268,25 @@ class ModelRunner:
         with self.lock:
             ended = self.scheduler.abort(reason, error)
             self.activity.publish(self.scheduler, ended)
+            if self.turns is not None:
+                self.turns.leave(id(self))
             return ended
+
+    def take_turns(self, turns: Turns) -> None:
+        """Share the cores with the server's encoders: its steps come first, their work
+        runs between them (runtime/engine/turns.py)."""
+        self.turns = turns
 
     def close(self) -> None:
         """Release every MLX array the runner holds (the engine has stopped)."""
         with self.lock:
             self.scheduler.abort(FinishReason.CANCELLED, "server shutting down")
+            self.scheduler.speculation.close()
             self.prefix.close()
             self._stream = None
             self.activity.clear()
+            if self.turns is not None:
+                self.turns.leave(id(self))
 
     def load(self) -> tuple[int, int, int, float]:
         s = self.scheduler.stats
@@ -272,6 +314,29 @@ def _disk_tier(loaded: LoadedModel, settings: RunnerSettings) -> DiskTier | None
     )
     return DiskTier.open(
         Path(root).expanduser(), max_bytes=settings.prefix_cache_disk_bytes, identity=identity
+    )
+
+
+def _draft_bytes(settings: RunnerSettings) -> int:
+    """The draft model's share of the cache memory (its trie, bounded by the prefix
+    cache's budget too, and its rows' caches)."""
+    if settings.prefix_cache_bytes <= 0:
+        return 0
+    return min(settings.prefix_cache_bytes, int(settings.cache_memory_bytes * DRAFT_CACHE_SHARE))
+
+
+def _draft_model(
+    loaded: LoadedModel, draft: LoadedModel, settings: RunnerSettings, budget: int
+) -> DraftModel:
+    return DraftModel(
+        draft.model,
+        draft.model.make_caches,
+        vocab=draft.model.args.vocab_size,
+        target_vocab=loaded.model.args.vocab_size,
+        budget_bytes=budget,
+        snapshot_interval=settings.snapshot_interval,
+        prefill_chunk=min(512, settings.prefill_chunk),
+        prior=weight_ratio(draft.model, loaded.model),
     )
 
 

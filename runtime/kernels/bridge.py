@@ -46,7 +46,9 @@ log = logging.getLogger(__name__)
 
 ENV_SWITCH = "MLX_GATEWAY_CPU_ATTENTION"
 ENV_THREADS = "MLX_GATEWAY_CPU_THREADS"
-ENV_ISA = "MLX_GATEWAY_CPU_ISA"  # "generic": the portable code even where AVX2 exists
+# "generic": the portable code even where AVX2 exists; "avx2": AVX2 code even where the
+# quantized products' AVX-512 code (qdot512.c, which reads the variable itself) would run
+ENV_ISA = "MLX_GATEWAY_CPU_ISA"
 # Fewer rows than this (decode steps, short prompt tails) stay in MLX's lazy graph: the
 # kernels would force an evaluation for little gain...
 MIN_ROWS = 32

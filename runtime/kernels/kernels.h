@@ -51,9 +51,21 @@ int mlxgw_attention_quantized(const QAttnArgs *qa);
  * the threads; 1 where it does not apply (longer or non-causal query blocks, over 16 query heads per KV head, a head width not a multiple of
  * 8 or over 256). */
 int mlxgw_attention_decode(const AttnArgs *a);
+/* decode_attention.c: mlxgw_attention_decode over rows held in buffers of their own (a
+ * running batch, runtime/cache/rows.py): `base` gives the shared sizes (its k, v, keys and
+ * starts unused), `rows[b]` row b as a one-row AttnArgs (q, k, v, out at row b; `keys` its
+ * own length). The same bits as mlxgw_attention_decode over those rows left-padded in one
+ * buffer; 1 where that refuses. */
+typedef struct {
+    AttnArgs base;
+    const AttnArgs *rows; /* (batch) */
+} AttnRows;
+int mlxgw_attention_decode_rows(const AttnRows *ra);
 /* out = act(g) * u over n floats (kind: GATE_SILU or GATE_GELU_TANH) */
 int mlxgw_gated_mul(const float *g, const float *u, float *out, int64_t n, int32_t kind,
                     int32_t threads, int32_t generic);
+/* out = gelu(x) over n floats, the exact (erf) gelu */
+int mlxgw_gelu_erf(const float *x, float *out, int64_t n, int32_t threads, int32_t generic);
 int mlxgw_small_gemm(const float *x, const float *w, float *out, int64_t rows, int64_t cols,
                      int64_t depth, int32_t threads, int32_t generic);
 const char *mlxgw_isa(int32_t generic);

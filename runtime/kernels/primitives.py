@@ -239,6 +239,73 @@ def attend(
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
+def rows_ready() -> bool:
+    """Whether `append_rows` and `attend_rows` run here (the CPU, the extension loaded)."""
+    return active() is not None
+
+
+def append_rows(
+    news: Sequence[mx.array], rows: Sequence[Sequence[mx.array]], ends: Sequence[int]
+) -> list[list[mx.array]] | None:
+    """A running batch's rows in buffers of their own (runtime/cache/rows.py): `news[p]`
+    (B, H, L, X) written into every row's buffer `rows[p][b]` (1, H, C, X) at columns
+    [ends[b] - L, ends[b]), in place, as one primitive; the buffers written (the same
+    memory). None where it does not run (not the CPU, no extension)."""
+    ext = active()
+    if ext is None or any(r and r[0].dtype != n.dtype for n, r in zip(news, rows, strict=True)):
+        return None
+    out: list[list[mx.array]] = ext.append_rows(list(news), [list(r) for r in rows], list(ends))
+    return out
+
+
+def attend_rows(
+    q: mx.array,
+    keys: Sequence[mx.array],
+    values: Sequence[mx.array],
+    lengths: Sequence[int],
+    *,
+    scale: float,
+) -> mx.array | None:
+    """`attend` (causal) of (B, Hq, L, D) queries over rows of their own: row b's keys and
+    values are the first lengths[b] columns of keys[b] and values[b] (1, Hkv, C, D), its
+    queries its last L positions. The same bits as `attend` over the rows left-padded in
+    one buffer. None where it does not run."""
+    ext = active()
+    if ext is None or not keys or not can_attend(q, keys[0]):
+        return None
+    out: mx.array = ext.attention_rows(
+        q, list(keys), list(values), list(lengths), scale=scale, causal=True,
+        threads=thread_count(), generic=_generic(),
+    )  # fmt: skip
+    return out.transpose(0, 2, 1, 3).astype(q.dtype)
+
+
+def quantized_attention_rows(
+    q: mx.array,
+    rows: Sequence[tuple[Sequence[mx.array], Sequence[mx.array]]],
+    lengths: Sequence[int],
+    *,
+    bits: int,
+    group_size: int,
+    scale: float,
+) -> mx.array | None:
+    """`attend_rows` over a quantized cache's rows (runtime/cache/quantized.py): row b's
+    keys and values are (codes, scales, biases) whose first lengths[b] columns it holds;
+    the kernel dequantizes a key block at a time, a row at a time (each row on its own:
+    the bits of the rows left-padded). None where it does not run."""
+    ext = active()
+    if ext is None or q.ndim != 4 or q.shape[-1] > MAX_HEAD_DIM or bits not in (4, 8):
+        return None
+    if group_size % 8 or q.shape[-1] % group_size:
+        return None
+    out: mx.array = ext.quantized_attention_rows(
+        q, [list(k) for k, _ in rows], [list(v) for _, v in rows], list(lengths), bits=bits,
+        group_size=group_size, scale=scale, causal=True, threads=thread_count(),
+        generic=_generic(),
+    )  # fmt: skip
+    return out.transpose(0, 2, 1, 3).astype(q.dtype)
+
+
 def rms_norm(x: mx.array, w: mx.array, eps: float, unit_offset: bool = False) -> mx.array | None:
     """RMSNorm over the last axis as one CPU primitive, scaled by (w + 1) with
     `unit_offset` (gemma's weights); None where it does not run: MLX's op then (on the

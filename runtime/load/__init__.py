@@ -12,7 +12,7 @@ from runtime.load.encoder import (
 )
 from runtime.load.gguf import GGUFFile, hf_config, tokenizer_from_gguf
 from runtime.load.loaded import LoadedModel, ShardHook, context_length
-from runtime.load.loader import check_quantize, load
+from runtime.load.loader import check_quantize, load, load_tokenizer
 from runtime.load.precision import (
     DEFAULT_QUANTIZE_GROUP,
     QUANTIZE_GROUPS,
@@ -35,5 +35,6 @@ __all__ = [
     "is_encoder",
     "load",
     "load_encoder",
+    "load_tokenizer",
     "tokenizer_from_gguf",
 ]

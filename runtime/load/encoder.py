@@ -18,6 +18,9 @@ A *ForSequenceClassification checkpoint is a cross-encoder: it scores (query, do
 pairs, its activation from config.json's `sentence_transformers.activation_fn`
 (sentence-transformers 4+), else a sigmoid for one label, as CrossEncoder applies.
 
+A GGUF file of a BERT embedding model (llama.cpp's converter's output) is read too:
+runtime/load/gguf/encoder.py says what it holds and what is chosen for what it does not.
+
 The tokenizer's own truncation and padding (tokenizer.json may set both) are turned
 off: inputs are measured, refused or truncated by runtime/text/encoding.py.
 """
@@ -36,6 +39,7 @@ from typing import Any
 import mlx.core as mx
 
 from runtime.backend import trim_heap
+from runtime.load.gguf.encoder import is_gguf_encoder, read_gguf_encoder
 from runtime.load.loaded import resolve_dtype
 from runtime.models import EncoderModel, Pooling, build_encoder, is_encoder_config
 from runtime.text import Tokenizer
@@ -96,8 +100,12 @@ class LoadedEncoder:
 
 
 def is_encoder(source: str | Path) -> bool:
-    """Whether `source` is a folder holding an encoder (config.json's model_type)."""
-    file = Path(source).expanduser() / "config.json"
+    """Whether `source` is a folder holding an encoder (config.json's model_type), or a
+    GGUF file of one."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        return is_gguf_encoder(path)
+    file = path / "config.json"
     if not file.is_file():
         return False
     try:
@@ -108,37 +116,62 @@ def is_encoder(source: str | Path) -> bool:
 
 
 def load_encoder(source: str | Path, *, dtype: str | None = None) -> LoadedEncoder:
-    """Load an encoder folder (see the module docstring); `dtype` as runtime.load.load."""
+    """Load an encoder folder or GGUF file (see the module docstring); `dtype` as
+    runtime.load.load."""
     started = time.perf_counter()
-    folder = Path(source).expanduser()
-    config = _read_json(folder / "config.json")
-    if config is None:
-        raise FileNotFoundError(f"{folder} has no config.json")
+    path = Path(source).expanduser()
     dtype_name, mx_dtype = resolve_dtype(dtype)
+    if path.is_file():
+        loaded = _from_gguf(path, dtype_name, mx_dtype)
+    else:
+        loaded = _from_folder(path, dtype_name, mx_dtype)
+    trim_heap()
+    seconds = time.perf_counter() - started
+    log.info("loaded encoder %s in %.1f s (%s, %s)", path, seconds, loaded.task.value, dtype_name)
+    return replace(loaded, load_seconds=seconds)
+
+
+def _with_weights(
+    config: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype
+) -> EncoderModel:
     model = build_encoder(config)
-    weights = _read_weights(folder)
     weights = {
-        k: v.astype(mx_dtype) if mx.issubdtype(v.dtype, mx.floating) else v
-        for k, v in weights.items()
+        k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()
     }
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     weights.clear()
     mx.eval(model.parameters())
+    return model
+
+
+def _from_gguf(path: Path, dtype_name: str, dtype: mx.Dtype) -> LoadedEncoder:
+    parts = read_gguf_encoder(path)
+    weights = {name: mx.array(value) for name, value in parts.weights.items()}
+    model = _with_weights(parts.config, weights, dtype)
+    tokenizer = parts.tokenizer
+    tokenizer.hf.no_truncation()
+    tokenizer.hf.no_padding()
+    return LoadedEncoder(
+        model, tokenizer, parts.config, EncoderTask.EMBED, model.args.max_positions, path.stem,
+        path, dtype_name, pooling=parts.pooling,
+    )  # fmt: skip
+
+
+def _from_folder(folder: Path, dtype_name: str, dtype: mx.Dtype) -> LoadedEncoder:
+    config = _read_json(folder / "config.json")
+    if config is None:
+        raise FileNotFoundError(f"{folder} has no config.json")
+    model = _with_weights(config, _read_weights(folder), dtype)
     tokenizer = Tokenizer.from_folder(folder)
     tokenizer.hf.no_truncation()
     tokenizer.hf.no_padding()
     limit = _default_limit(folder, model)
     if model.args.num_labels:
-        loaded = LoadedEncoder(
+        return LoadedEncoder(
             model, tokenizer, config, EncoderTask.SCORE, limit, folder.name, folder, dtype_name,
             activation=_activation(config, model.args.num_labels),
         )  # fmt: skip
-    else:
-        loaded = _embedding(folder, model, tokenizer, config, limit, dtype_name)
-    trim_heap()
-    seconds = time.perf_counter() - started
-    log.info("loaded encoder %s in %.1f s (%s, %s)", folder, seconds, loaded.task.value, dtype_name)
-    return replace(loaded, load_seconds=seconds)
+    return _embedding(folder, model, tokenizer, config, limit, dtype_name)
 
 
 def _embedding(

@@ -69,6 +69,7 @@ from runtime.backend import trim_heap
 from runtime.load import fp8
 from runtime.load.gguf.loader import check_float_gguf, load_gguf
 from runtime.load.gguf.reader import GGUFFile
+from runtime.load.gguf.tokenizer import tokenizer_from_gguf
 from runtime.load.loaded import (
     LoadedModel,
     ShardHook,
@@ -146,6 +147,16 @@ def check_quantize(source: str | Path, spec: QuantizeSpec) -> None:
         check_float_gguf(GGUFFile(gguf), spec)
     elif (path / "config.json").is_file():
         _check_float_folder(path, _read_config(path), spec)
+
+
+def load_tokenizer(source: str | Path) -> Tokenizer:
+    """A model source's tokenizer alone, no weights read (a folder's tokenizer files, a
+    GGUF's metadata): what a server checks at startup."""
+    path = Path(source).expanduser()
+    gguf = _gguf_file(path)
+    if gguf is not None:
+        return tokenizer_from_gguf(GGUFFile(gguf))
+    return Tokenizer.from_folder(path)
 
 
 def _gguf_file(path: Path) -> Path | None:

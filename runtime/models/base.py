@@ -13,6 +13,7 @@ from mlx.nn.layers.base import Module
 from runtime import kernels as cpu_kernels
 from runtime.cache import (
     BatchQuantizedCache,
+    BatchQuantizedRows,
     BatchTokenCache,
     Cache,
     KVCache,
@@ -20,10 +21,11 @@ from runtime.cache import (
     QuantizedKVCache,
     RaggedCache,
     RotatingKVCache,
+    RowTokenCache,
     window_mask,
 )
 from runtime.models.linear import Embedding, Linear, fused_products
-from runtime.models.quantized_attention import quantized_attention
+from runtime.models.quantized_attention import quantized_attention, rows_attention
 from runtime.models.rope import RoPE
 
 FULL_ATTENTION = "full_attention"
@@ -217,6 +219,10 @@ def cache_attention(
     """`attention` of (B, Hq, L, D) queries (rotated) over what `cache` holds once it
     has taken these (B, Hkv, L, D) keys and values: a quantized cache's groups are read
     where they are (runtime/models/quantized_attention.py)."""
+    if window is None and softcap is None:
+        out = _own_rows_attention(q, k, v, cache, scale)
+        if out is not None:
+            return out
     if (
         isinstance(cache, BatchTokenCache)
         and cache.plain
@@ -233,10 +239,10 @@ def cache_attention(
         assert out is not None  # can_attend said it runs
         return out
     mask = cache.make_mask(q.shape[2], window)
-    if isinstance(cache, (QuantizedKVCache, BatchQuantizedCache)):
+    if isinstance(cache, (QuantizedKVCache, BatchQuantizedCache, BatchQuantizedRows)):
         # a batch's mask, without a window, is its rows' padding and causality
         padding = None
-        if isinstance(cache, BatchQuantizedCache) and window is None:
+        if isinstance(cache, (BatchQuantizedCache, BatchQuantizedRows)) and window is None:
             padding = cache.padding
         keys, values = cache.update_quantized(k, v)
         if softcap is None:
@@ -246,6 +252,43 @@ def cache_attention(
     else:
         k, v = cache.update_and_fetch(k, v)
     return attention(q, k, v, scale=scale, mask=mask, softcap=softcap)
+
+
+def _own_rows_attention(
+    q: mx.array, k: mx.array, v: mx.array, cache: Cache, scale: float
+) -> mx.array | None:
+    """A batch's rows in buffers of their own (runtime/cache/rows.py), written and read
+    where they are by the CPU primitives: two graph nodes a layer, whatever the rows.
+    None where they do not run (the caller's path reads a left-padded copy)."""
+    if isinstance(cache, BatchQuantizedRows):
+        return rows_attention(q, k, v, cache, scale=scale)
+    if not (isinstance(cache, RowTokenCache) and cpu_kernels.can_attend(q, k)):
+        return None
+    if v.shape != k.shape:
+        return None
+    cache.extend([k, v], cpu_kernels.append_rows)
+    out = cpu_kernels.attend_rows(q, cache.parts[0], cache.parts[1], cache.lengths, scale=scale)
+    assert out is not None  # can_attend said it runs
+    return out
+
+
+def rows_layout(model: Any, caches: Sequence[object]) -> bool:
+    """Whether a running batch of `model` over `caches` (one per layer) keeps each row's
+    keys and values in buffers of its own (runtime/cache/rows.py): where the CPU
+    primitives read them there, every full-attention KV layer (plain or quantized)
+    attending through `Attention` without a window or soft-capping. Elsewhere (Metal,
+    CUDA, no extension) rows pad to the longest: MLX's attention reads one buffer."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    if not cpu_kernels.rows_ready() or len(layers) != len(caches):
+        return False
+    full = [
+        getattr(layer, "self_attn", None)
+        for layer, cache in zip(layers, caches, strict=True)
+        if type(cache) in (KVCache, QuantizedKVCache)
+    ]
+    return bool(full) and all(
+        isinstance(a, Attention) and a.softcap is None and a.window is None for a in full
+    )
 
 
 def _is_query_key_mask(mask: Mask, length: int, keys: int) -> bool:

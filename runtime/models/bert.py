@@ -15,7 +15,7 @@ names (attention.self.query, attention.output.LayerNorm, ...) onto flat ones.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.normalization import LayerNorm
 
+from runtime import kernels as cpu_kernels
 from runtime.models.encoder import bidirectional_attention, first_token
 
 log = logging.getLogger(__name__)
@@ -60,13 +61,14 @@ def _erf_gelu(x: mx.array) -> mx.array:
 
 
 class _Gelu:
-    """`_erf_gelu` compiled into one fused kernel, run on blocks of `ROWS` rows: MLX's
-    fused CPU kernels are single-threaded loops, about 3x faster per element on a block
-    that stays in cache than on a whole piece's (2,000 x 1,536) activations; and the
-    compiled function is traced for at most `ROWS` shapes. Uncompiled where MLX cannot
-    compile (its CPU backend builds fused kernels with the system's C++ compiler); a
-    shapeless compile would trace once, but its kernel runs no faster than the unfused
-    ops."""
+    """The CPU kernels' GELU (runtime/kernels/kernels.c: the same erf, on every core)
+    where it runs. Else `_erf_gelu` compiled into one fused kernel, run on blocks of
+    `ROWS` rows: MLX's fused CPU kernels are single-threaded loops, about 3x faster per
+    element on a block that stays in cache than on a whole piece's (2,000 x 1,536)
+    activations; and the compiled function is traced for at most `ROWS` shapes.
+    Uncompiled where MLX cannot compile (its CPU backend builds fused kernels with the
+    system's C++ compiler); a shapeless compile would trace once, but its kernel runs no
+    faster than the unfused ops."""
 
     ROWS = 32
 
@@ -74,6 +76,9 @@ class _Gelu:
         self._compiled: Callable[[mx.array], mx.array] | None = mx.compile(_erf_gelu)
 
     def __call__(self, x: mx.array) -> mx.array:
+        out = cpu_kernels.gelu_erf(x)  # the same erf on all cores, where it runs
+        if out is not None:
+            return out
         if self._compiled is not None:
             try:
                 return self._blocks(self._compiled, x)
@@ -275,11 +280,17 @@ class Model(Module):
     def forward(
         self, tokens: mx.array, padding: Sequence[int], token_types: mx.array | None = None
     ) -> mx.array:
+        *_, last = self.layers(tokens, padding, token_types)
+        return last
+
+    def layers(
+        self, tokens: mx.array, padding: Sequence[int], token_types: mx.array | None = None
+    ) -> Iterator[mx.array]:
         types = mx.zeros_like(tokens) if token_types is None else token_types
         x = self.embeddings(tokens, self.positions(tokens, padding), types)
         for layer in self.encoder.layer:
             x = layer(x, padding)
-        return x
+            yield x
 
     def __call__(
         self, tokens: mx.array, padding: Sequence[int], token_types: mx.array | None = None

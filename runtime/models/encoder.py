@@ -9,7 +9,7 @@ token of every row is the last column.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -23,6 +23,8 @@ class EncoderArgs(Protocol):
     def vocab_size(self) -> int: ...
     @property
     def hidden_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
     @property
     def max_positions(self) -> int:
         """Tokens one input may hold (special tokens included)."""
@@ -49,6 +51,15 @@ class EncoderModel(Protocol):
         self, tokens: mx.array, padding: Sequence[int], token_types: mx.array | None = None
     ) -> mx.array:
         """(B, L) int32 tokens, row b left-padded by padding[b] -> (B, L, hidden)."""
+        ...
+
+    def layers(
+        self, tokens: mx.array, padding: Sequence[int], token_types: mx.array | None = None
+    ) -> Iterator[mx.array]:
+        """`forward` a layer at a time: the (lazy) hidden states after each layer, the
+        last one forward's output. The caller may evaluate each before asking for the
+        next (runtime/engine/encoder.py runs a piece layer by layer, between other
+        engines' steps)."""
         ...
 
     def classify(self, hidden: mx.array, padding: Sequence[int]) -> mx.array:

@@ -287,8 +287,7 @@ class GatedDeltaNet(Module):
     def __call__(self, x: mx.array, cache: RecurrentState) -> mx.array:
         d = self.dims
         batch, length, _ = x.shape
-        start = getattr(cache, "offset", 0)
-        cuts = sorted({w - start for w in getattr(cache, "wanted", ()) if 0 < w - start < length})
+        cuts = cache.cuts(length)
         q, k, v, tail, tails = self._qkv(x, cache, cuts)
         beta = mx.sigmoid(self.in_proj_b(x).astype(mx.float32)).transpose(0, 2, 1)
         a = self.in_proj_a(x).astype(mx.float32) + self.dt_bias.astype(mx.float32)
@@ -321,12 +320,12 @@ class GatedDeltaNet(Module):
         """The delta rule a piece at a time, handing the cache (`keep`) the state after
         each of the chunk's first `cuts` tokens: the projections and MLPs of the whole
         chunk still run as one forward."""
-        start, outs, a = getattr(cache, "offset", 0), [], 0
+        outs, a = [], 0
         for b, conv in zip([*cuts, q.shape[2]], [*tails, None], strict=True):
             qs, ks, vs, gs, bs = (t[:, :, a:b] for t in (q, k, v, g, beta))
             out, state = gated_delta_rule(qs, ks, vs, gs, bs, state, self.chunk)
             outs.append(out)
             if conv is not None:
-                cache.keep(start + b, conv, state)  # type: ignore[attr-defined]
+                cache.keep(b, conv, state)
             a = b
         return mx.concatenate(outs, axis=2), state

@@ -8,6 +8,8 @@ its groups where they are.
   them on the CPU (its quantized matmul is a scalar loop on one thread, and
   dequantizing the whole cache for its attention writes the float cache out every
   step), so the kernel's evaluation per layer is the cheaper price.
+- A running batch whose rows keep buffers of their own (runtime/cache/rows.py): the same
+  kernel a row at a time, as an MLX primitive (`rows_attention`): no evaluation per layer.
 - Keys stored rotated (8 bits, runtime/cache/quantized.py `rotate`) meet queries rotated
   the same way, which leaves every score as it was.
 - Metal and CUDA (and a CPU without the kernels): scores = q @ dequant(K).T with
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from runtime import kernels as cpu_kernels
-from runtime.cache import Mask, Quantized, rotate, window_mask
+from runtime.cache import BatchQuantizedRows, Mask, Quantized, rotate, window_mask
 
 # Decode steps (fewer query rows than the kernels' MIN_ROWS) on the CPU take the kernel:
 # measured in the module docstring of runtime/cache/quantized.py
@@ -47,15 +49,48 @@ def quantized_attention(
     causal" (a batch's decode step, runtime/cache/batch.py): the CPU kernel then skips
     them instead of reading a mask.
     """
+    out = _attention(_queries(q, keys), keys, values, scale, mask, padding, block)
+    return _outputs(out, values, q.shape[-1])
+
+
+def rows_attention(
+    q: mx.array, k: mx.array, v: mx.array, cache: BatchQuantizedRows, *, scale: float
+) -> mx.array:
+    """A batch's (B, Hq, L, D) queries, after their (B, Hkv, L, D) keys and values are
+    appended to rows in buffers of their own (runtime/cache/rows.py: in place, one node
+    where the CPU primitive runs): the CPU kernel a row at a time, as a primitive in the
+    step's graph (the same bits as over the rows left-padded), else `quantized_attention`
+    over a left-padded copy."""
+    length = q.shape[2]
+    cache.extend(k, v, cpu_kernels.append_rows)
+    rows = cache.buffers()
+    keys, values = rows[0]
+    out = cpu_kernels.quantized_attention_rows(
+        _queries(q, keys), [(ks.arrays, vs.arrays) for ks, vs in rows], cache.tokens.lengths,
+        bits=keys.bits, group_size=keys.group_size, scale=scale,
+    )  # fmt: skip
+    if out is not None:
+        return _outputs(out, values, q.shape[-1])
+    padded_k, padded_v = cache.padded()
+    mask = cache.tokens.written_mask(length)
+    return quantized_attention(q, padded_k, padded_v, scale=scale, mask=mask, padding=cache.padding)
+
+
+def _queries(q: mx.array, keys: Quantized) -> mx.array:
+    """Queries in the keys' width and basis."""
     dim, width = q.shape[-1], keys.width
     if width != dim:  # a head_dim padded to quantize it: zeros add nothing to the scores
         q = mx.pad(q, [(0, 0), (0, 0), (0, 0), (0, width - dim)])
     if keys.rotated:  # the keys' basis: rotating both leaves every score as it was
         q = rotate(q)
-    out = _attention(q, keys, values, scale, mask, padding, block)
+    return q
+
+
+def _outputs(out: mx.array, values: Quantized, dim: int) -> mx.array:
+    """Outputs back in the model's basis and head_dim."""
     if values.rotated:
         out = rotate(out)
-    return out if width == dim else out[..., :dim]
+    return out if values.width == dim else out[..., :dim]
 
 
 def _attention(

@@ -15,7 +15,13 @@ from runtime.text.constraints import (
 )
 from runtime.text.detokenizer import DetokenizerTable, StreamingDetokenizer
 from runtime.text.encoding import EncoderTokenizer, TextTokens, longest_first
-from runtime.text.sampling import Sampler, SampleResult
+from runtime.text.sampling import (
+    Sampler,
+    SampleResult,
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+)
 from runtime.text.stops import StopMatcher
 from runtime.text.tokenizer import Tokenizer, read_chat_template, token_ids
 
@@ -31,6 +37,9 @@ __all__ = [
     "TextTokens",
     "TokenMatcher",
     "Tokenizer",
+    "apply_min_p",
+    "apply_top_k",
+    "apply_top_p",
     "check",
     "json_schema_constraint",
     "json_schema_rule",

@@ -186,6 +186,17 @@ class PromptImages:
                 out[image.start : image.start + n] = image_keys(image.digest, image.length)[:n]
         return tuple(out)
 
+    @property
+    def causal(self) -> bool:
+        """Whether a chunk may end anywhere in the prompt (a GridVision's images)."""
+        return self._grid is not None
+
+    def restore_points(self, boundaries: Iterable[int]) -> tuple[int, ...]:
+        """`boundaries` (where the prompt's messages start) and where each image's span
+        ends: a later request showing the same image with another question leaves this
+        one there, so layers that cannot rewind (a hybrid's) need a snapshot there."""
+        return tuple(sorted({*boundaries, *(i.end for i in self._images)}))
+
     def marks(self, points: Iterable[int]) -> list[int]:
         """The snapshot points a prefill may pause at: those not inside a span."""
         return [p for p in points if not any(i.start < p < i.end for i in self._images)]

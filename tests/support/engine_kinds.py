@@ -32,13 +32,15 @@ KINDS: dict[str, tuple[Any, int]] = {
 }
 
 
-def folder_maker(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """name -> the folder of that kind's tiny model, each written once."""
+def folder_maker(
+    tmp_path_factory: pytest.TempPathFactory, kinds: dict[str, tuple[Any, int]] = KINDS
+) -> Callable[[str], Path]:
+    """name (of `kinds`) -> the folder of that kind's tiny model, each written once."""
     made: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in made:
-            module, vocab = KINDS[name]
+            module, vocab = kinds[name]
             folder = tmp_path_factory.mktemp(name)
             module.make_tiny(name, folder, seed=3)
             tiny_models.write_tokenizer(folder, vocab)

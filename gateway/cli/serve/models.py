@@ -14,6 +14,9 @@ A config file lists `[[models]]` tables:
     quantize = "q4"                    # a float model quantized at load: q4, q8 or "none"
     quantize_group = 64                # 32, 64 or 128 (default: --quantize, --quantize-group)
     sampling = { temperature = 0.2 }   # defaults for fields a request leaves out
+    draft_model = "qwen2.5-0.5b"       # a small model with its tokenizer drafts for it
+                                       # (--speculative draft for this model; default:
+                                       # --draft-model, given one model only)
     matryoshka_dimensions = [256, 128] # an embedding model's Matryoshka sizes: the
                                        # `dimensions` /v1/embeddings accepts (default: none)
 
@@ -46,6 +49,7 @@ from gateway.core.models import (
     build_served,
     cache_budget,
     check_dimensions,
+    check_draft_tokenizer,
     quantized_estimate,
     weight_file_bytes,
     weight_quantization,
@@ -62,7 +66,7 @@ log = logging.getLogger(__name__)
 
 _KEYS = (
     "source", "id", "aliases", "template_family", "parser", "context_length", "sampling",
-    "kv_bits", "quantize", "quantize_group", "matryoshka_dimensions",
+    "kv_bits", "quantize", "quantize_group", "matryoshka_dimensions", "draft_model",
 )  # fmt: skip
 
 
@@ -81,6 +85,7 @@ class ModelConfig:
     quantize: str | Literal["default"] | None = "default"  # "default": as --quantize says
     quantize_group: int | None = None  # None: as --quantize-group says
     matryoshka_dimensions: tuple[int, ...] = ()  # an embedding model's Matryoshka sizes
+    draft_model: str | None = None  # None: as --draft-model says
 
 
 def from_flags(
@@ -151,7 +156,13 @@ def _model(path: Path, index: int, table: Any) -> ModelConfig:
         quantize=_quantize(table, where),
         quantize_group=_quantize_group(table, where),
         matryoshka_dimensions=_dimensions(table, where),
+        draft_model=_draft_source(path, table, where),
     )
+
+
+def _draft_source(path: Path, table: Mapping[str, Any], where: str) -> str | None:
+    source = _text(table, "draft_model", where)
+    return None if source is None else _beside(path, source)
 
 
 def _dimensions(table: Mapping[str, Any], where: str) -> tuple[int, ...]:
@@ -246,6 +257,11 @@ def model_specs(
     bad name fails at startup) and make each model's registry entry, with its share of
     the memory `budget` for caches."""
     check_names(configs)
+    if settings.draft_model is not None and len(configs) > 1:
+        raise CliError(
+            "--draft-model drafts for one model; with several, give each its draft_model "
+            "in a --config file"
+        )
     specs: list[ModelSpec] = []
     for cfg in configs:
         path, default_id = resolve(cfg.source)
@@ -253,6 +269,9 @@ def model_specs(
         quantize = settings.quantize if cfg.quantize == "default" else cfg.quantize
         group = cfg.quantize_group or settings.quantize_group
         weights = quantized_estimate(weight_file_bytes(path), quantize, group)
+        drafting = _drafting(cfg, path, settings)
+        if drafting["draft_model"] is not None:  # its weights count in the budget too
+            weights += weight_file_bytes(drafting["draft_model"])
         # an encoder keeps no KV cache (its LRU of recent rows is a few MB)
         cache = 0 if is_encoder(path) else cache_budget(budget, weights, len(configs))
         own = dataclasses.replace(
@@ -264,6 +283,7 @@ def model_specs(
             kv_bits=settings.kv_bits if cfg.kv_bits == "default" else cfg.kv_bits,
             quantize=quantize,
             quantize_group=group,
+            **drafting,
         )
         _check_quantize(path, own)
         specs.append(
@@ -277,6 +297,22 @@ def model_specs(
             )
         )
     return specs
+
+
+def _drafting(cfg: ModelConfig, path: Path, settings: EngineSettings) -> dict[str, Any]:
+    """The model's speculative mode and draft model (its config's draft_model, else
+    --draft-model), refused at startup unless the draft's tokenizer is the model's."""
+    if is_encoder(path):
+        return {"speculative": "off" if settings.draft_model else settings.speculative,
+                "draft_model": None}  # fmt: skip
+    draft = resolve(cfg.draft_model)[0] if cfg.draft_model else settings.draft_model
+    if draft is None:
+        return {"speculative": settings.speculative, "draft_model": None}
+    try:
+        check_draft_tokenizer(path, draft)
+    except (ValueError, OSError) as exc:
+        raise CliError(f"{cfg.source}: draft model {draft}: {exc}") from None
+    return {"speculative": "draft", "draft_model": draft}
 
 
 def _check_quantize(path: Path, settings: EngineSettings) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from gateway.core.models.build import (
     SAMPLING_FIELDS,
     build_served,
+    check_draft_tokenizer,
     model_folder,
     sampling_defaults,
     weight_quantization,
@@ -37,6 +38,7 @@ __all__ = [
     "build_served",
     "cache_budget",
     "check_dimensions",
+    "check_draft_tokenizer",
     "default_memory_budget",
     "model_folder",
     "parameter_bytes",

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any
 from gateway.core.capabilities import Capabilities, detect
 from gateway.core.image_fetch import ImagePolicy
 from gateway.core.models.encoders import build_encoder_served
-from gateway.core.models.memory import MIN_CACHE_BYTES, parameter_bytes
+from gateway.core.models.memory import MIN_CACHE_BYTES, parameter_bytes, weight_file_bytes
 from gateway.core.models.served import ServedModel
 from gateway.core.settings import EngineSettings
+from runtime.batch import check_vocabulary
 from runtime.engine import Engine, ModelRunner, RunnerSettings
-from runtime.load import LoadedEncoder, LoadedModel, QuantizeSpec, is_encoder, load
+from runtime.load import LoadedEncoder, LoadedModel, QuantizeSpec, is_encoder, load, load_tokenizer
 from templates import (
     ControlStrings,
     MissingTemplateRenderer,
@@ -59,15 +60,24 @@ def build_served(
     else:
         model = load(path, quantize=weight_quantization(settings))
     renderer, caps = _renderer_and_caps(model, settings, model_id)
+    # a distributed group never drafts (its ranks step in lockstep): no draft model there
+    drafting = settings.draft_model is not None and make_runner is None
+    speculative = (
+        "off" if settings.speculative == "draft" and not drafting else settings.speculative
+    )
     base = RunnerSettings(
         prefill_chunk=settings.prefill_chunk,
         snapshot_interval=settings.snapshot_interval,
         max_batch=settings.max_batch,
         kv_bits=settings.kv_bits,
-        speculative=settings.speculative,
+        speculative=speculative,
     )
     runner_settings = _runner_settings(base, model, settings, model_id)
-    runner = (make_runner or ModelRunner)(model, runner_settings)
+    if make_runner is not None:
+        runner = make_runner(model, runner_settings)
+    else:
+        draft = _draft(settings, model, model_id) if drafting else None
+        runner = ModelRunner(model, runner_settings, draft=draft)
     engine = Engine(runner, max_queue=settings.max_queue, stall_seconds=settings.stall_seconds)
     log.info("%s: capabilities %s", model_id, caps.card())
     defaults = sampling_defaults(model.generation_config)
@@ -85,6 +95,22 @@ def build_served(
         image_policy=ImagePolicy(allow_private=settings.allow_private_urls),
         controls=model_controls(model),
     )
+
+
+def _draft(settings: EngineSettings, model: LoadedModel, model_id: str) -> LoadedModel:
+    """The draft model (`--draft-model`), loaded as its files store it; refused unless
+    its tokenizer is the served model's."""
+    assert settings.draft_model is not None
+    draft = load(settings.draft_model)
+    check_vocabulary(model.tokenizer, draft.tokenizer)
+    log.info("%s: drafting with %s", model_id, draft.name)
+    return draft
+
+
+def check_draft_tokenizer(path: Path, draft: Path) -> None:
+    """A ValueError when the draft model's tokenizer is not the served model's (read from
+    their files alone: a server refuses at startup, not at the first load)."""
+    check_vocabulary(load_tokenizer(path), load_tokenizer(draft))
 
 
 def model_controls(model: LoadedModel) -> ControlStrings:
@@ -154,6 +180,8 @@ def _cache_memory(model: object, settings: EngineSettings) -> int | None:
     estimate)."""
     cache = settings.cache_memory_bytes
     weights = parameter_bytes(model) if settings.memory_budget is not None else None
+    if weights is not None and settings.draft_model is not None:  # the draft's files' size
+        weights += weight_file_bytes(settings.draft_model)
     if settings.memory_budget is None or weights is None:
         return cache
     room = max(MIN_CACHE_BYTES, settings.memory_budget - weights)

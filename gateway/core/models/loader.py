@@ -20,6 +20,7 @@ from gateway.core.models.served import ServedModel
 from gateway.core.models.slots import SHUTTING_DOWN, Slot, Slots
 from gateway.core.models.status import ModelFacts, ModelState, added_stats
 from runtime.backend import release_thread_streams
+from runtime.engine import Turns
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ class Loader:
         self._slots = slots
         self.eviction = Eviction(slots, budget, self.unload)
         self._threads: set[threading.Thread] = set()
+        # the models' engines share the cores: chat steps first, encoders between them
+        self.turns = Turns()
 
     def load(self, slot: Slot) -> concurrent.futures.Future[ServedModel]:
         """A future of the loaded model; every caller waiting on one load shares it."""
@@ -87,6 +90,7 @@ class Loader:
             started = time.perf_counter()
             log.info("loading %s", spec.id)
             served = spec.build()
+            served.engine.take_turns(self.turns)
             served.engine.start()
             served.engine.watch()  # fails and restarts a dead or stalled worker
         except BaseException as exc:

@@ -85,11 +85,15 @@ def parameter_bytes(model: Any) -> int | None:
 
 
 def served_bytes(served: ServedModel) -> int | None:
-    """What a loaded model counts against the budget: its weights, measured, plus the
-    cache memory its runner was given (None when the weights cannot be measured)."""
+    """What a loaded model counts against the budget: its weights (and its draft
+    model's), measured, plus the cache memory its runner was given (None when the
+    weights cannot be measured)."""
     weights = parameter_bytes(served.loaded.model)
     if weights is None:
         return None
+    draft = getattr(served.runner, "draft", None)  # a draft model's weights count too
+    if draft is not None:
+        weights += parameter_bytes(draft.model) or 0
     settings = getattr(served.runner, "settings", None)
     return weights + int(getattr(settings, "cache_memory_bytes", 0) or 0)
 

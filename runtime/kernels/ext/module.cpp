@@ -64,6 +64,42 @@ NB_MODULE(_mlx_ext, m) {
       "generic"_a,
       "attention of (B, Hq, L, D) queries over (B, Hkv, K, D) keys and values: (B, L, Hq, D)");
   m.def(
+      "append_rows",
+      &mlxgw::append_rows,
+      "news"_a,
+      "rows"_a,
+      "ends"_a,
+      "write news[p] (B, H, L, X) into rows[p][b] (1, H, C, X) at [ends[b] - L, ends[b]), in "
+      "place: the rows written");
+  m.def(
+      "attention_rows",
+      &mlxgw::attention_rows,
+      "q"_a,
+      "keys"_a,
+      "values"_a,
+      "lengths"_a,
+      nb::kw_only(),
+      "scale"_a,
+      "causal"_a,
+      "threads"_a,
+      "generic"_a,
+      "attention of (B, Hq, L, D) queries over rows of their own: (B, L, Hq, D)");
+  m.def(
+      "quantized_attention_rows",
+      &mlxgw::quantized_attention_rows,
+      "q"_a,
+      "keys"_a,
+      "values"_a,
+      "lengths"_a,
+      nb::kw_only(),
+      "bits"_a,
+      "group_size"_a,
+      "scale"_a,
+      "causal"_a,
+      "threads"_a,
+      "generic"_a,
+      "attention of (B, Hq, L, D) queries over quantized rows of their own: (B, L, Hq, D)");
+  m.def(
       "rms_norm",
       &mlxgw::rms_norm,
       "x"_a,

@@ -716,4 +716,387 @@ bool Rope::is_equivalent(const mx::Primitive& other) const {
   return dims_ == o.dims_ && scale_ == o.scale_ && mscale_ == o.mscale_;
 }
 
+// -- rows of a running batch in buffers of their own (runtime/cache/rows.py) --
+
+namespace {
+
+// Whether a row's buffer can take its new columns where it is: packed, from its start, in
+// memory MLX allocated (anything else is copied first). Its other holders see only the
+// columns before the row's length, which these writes never touch.
+bool writable_in_place(const mx::array& a) {
+  return a.flags().row_contiguous && a.offset() == 0 && a.data_shared_ptr()->is_owned();
+}
+
+struct RowWrite {
+  const char* src; // new (b, 0, 0) of its part
+  char* dst;       // the row's buffer
+  int64_t src_h, src_l; // strides (elements) of the new array's heads and positions
+  int64_t heads, length, width, capacity, end, itemsize;
+};
+
+void write_row(const RowWrite& w) {
+  const int64_t bytes = w.width * w.itemsize;
+  for (int64_t h = 0; h < w.heads; h++) {
+    for (int64_t l = 0; l < w.length; l++) {
+      const char* from = w.src + (h * w.src_h + l * w.src_l) * w.itemsize;
+      char* to = w.dst + ((h * w.capacity) + w.end - w.length + l) * bytes;
+      std::memcpy(to, from, size_t(bytes));
+    }
+  }
+}
+
+} // namespace
+
+std::vector<std::vector<mx::array>> append_rows(
+    const std::vector<mx::array>& news,
+    const std::vector<std::vector<mx::array>>& rows,
+    const std::vector<int>& ends) {
+  const size_t parts = news.size(), batch = ends.size();
+  bool ok = parts > 0 && rows.size() == parts;
+  std::vector<mx::array> inputs;
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  for (size_t p = 0; ok && p < parts; p++) {
+    const auto& n = news[p];
+    ok = n.ndim() == 4 && size_t(n.shape(0)) == batch && rows[p].size() == batch;
+    inputs.push_back(n);
+  }
+  for (size_t p = 0; ok && p < parts; p++) {
+    const auto& n = news[p];
+    for (size_t b = 0; ok && b < batch; b++) {
+      const auto& r = rows[p][b];
+      ok = r.ndim() == 4 && r.shape(0) == 1 && r.shape(1) == n.shape(1) &&
+          r.shape(3) == n.shape(3) && r.dtype() == n.dtype() && ends[b] >= n.shape(2) &&
+          ends[b] <= r.shape(2);
+      inputs.push_back(r);
+      shapes.push_back(r.shape());
+      dtypes.push_back(r.dtype());
+    }
+  }
+  if (!ok) {
+    throw std::invalid_argument(
+        "[mlxgw.append_rows] news[p] (B, H, L, X), rows[p][b] (1, H, C, X) of its dtype, "
+        "L <= ends[b] <= C, one end per row");
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  auto outs = mx::array::make_arrays(
+      std::move(shapes), dtypes, std::make_shared<AppendRows>(stream, int(parts), ends), inputs);
+  std::vector<std::vector<mx::array>> out(parts);
+  for (size_t p = 0; p < parts; p++) {
+    out[p].assign(outs.begin() + p * batch, outs.begin() + (p + 1) * batch);
+  }
+  return out;
+}
+
+void AppendRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto s = stream();
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  const size_t parts = size_t(parts_), batch = ends_.size();
+  std::vector<mx::array> news;
+  for (size_t p = 0; p < parts; p++) {
+    news.push_back(unit_last_stride(inputs[p], s));
+    encoder.set_input_array(news.back());
+  }
+  std::vector<RowWrite> writes;
+  for (size_t p = 0; p < parts; p++) {
+    const auto& n = news[p];
+    for (size_t b = 0; b < batch; b++) {
+      const auto& row = inputs[parts + p * batch + b];
+      auto& out = outputs[p * batch + b];
+      if (writable_in_place(row)) {
+        out.copy_shared_buffer(row);
+      } else {
+        out.set_data(mx::allocator::malloc(out.nbytes()));
+        auto packed = row_contiguous(row, s);
+        encoder.set_input_array(packed);
+        encoder.dispatch([src = packed.data<char>(), dst = out.data<char>(), n = out.nbytes()]() {
+          std::memcpy(dst, src, n);
+        });
+      }
+      encoder.set_input_array(row);
+      encoder.set_output_array(out);
+      writes.push_back(
+          {n.data<char>() + b * n.strides()[0] * n.itemsize(), out.data<char>(), n.strides()[1],
+           n.strides()[2], n.shape(1), n.shape(2), n.shape(3), out.shape(2), ends_[b],
+           int64_t(n.itemsize())});
+    }
+  }
+  encoder.dispatch([writes = std::move(writes)]() {
+    for (const auto& w : writes) {
+      write_row(w);
+    }
+  });
+}
+
+void AppendRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[mlxgw.append_rows] runs on the CPU only");
+}
+
+bool AppendRows::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const AppendRows&>(other);
+  return parts_ == o.parts_ && ends_ == o.ends_;
+}
+
+std::vector<mx::Shape> AppendRows::output_shapes(const std::vector<mx::array>& inputs) {
+  std::vector<mx::Shape> shapes;
+  for (size_t i = size_t(parts_); i < inputs.size(); i++) {
+    shapes.push_back(inputs[i].shape());
+  }
+  return shapes;
+}
+
+mx::array attention_rows(
+    const mx::array& q,
+    const std::vector<mx::array>& keys,
+    const std::vector<mx::array>& values,
+    const std::vector<int>& lengths,
+    float scale,
+    bool causal,
+    int threads,
+    bool generic) {
+  const size_t batch = lengths.size();
+  bool ok = q.ndim() == 4 && size_t(q.shape(0)) == batch && keys.size() == batch &&
+      values.size() == batch && batch > 0 && q.shape(3) <= 512;
+  for (size_t b = 0; ok && b < batch; b++) {
+    const auto& k = keys[b];
+    ok = k.ndim() == 4 && k.shape(0) == 1 && k.shape(1) > 0 && q.shape(1) % k.shape(1) == 0 &&
+        k.shape(1) == keys[0].shape(1) && k.shape(3) == q.shape(3) &&
+        values[b].shape() == k.shape() && lengths[b] >= q.shape(2) && lengths[b] <= k.shape(2);
+  }
+  if (!ok) {
+    std::ostringstream msg;
+    msg << "[mlxgw.attention_rows] q (B, Hq, L, D), per row keys and values (1, Hkv, C, D) "
+           "with Hq a multiple of Hkv, L <= length <= C and D <= 512; got q "
+        << q.shape() << " and " << keys.size() << " rows";
+    throw std::invalid_argument(msg.str());
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs{mx::astype(q, mx::float32, stream)};
+  for (const auto* side : {&keys, &values}) {
+    for (const auto& a : *side) {
+      inputs.push_back(mx::astype(a, mx::float32, stream));
+    }
+  }
+  return mx::array(
+      mx::Shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)},
+      mx::float32,
+      std::make_shared<AttentionRows>(
+          stream, lengths, scale, causal, std::max(1, threads), generic),
+      std::move(inputs));
+}
+
+void AttentionRows::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  auto s = stream();
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  const int64_t batch = int64_t(lengths_.size());
+  auto q = unit_last_stride(inputs[0], s);
+  encoder.set_input_array(q);
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  encoder.set_output_array(out);
+  int64_t heads = q.shape(1), length = q.shape(2), dim = q.shape(3);
+  AttnArgs base{};
+  base.q = q.data<float>();
+  base.out = out.data<float>();
+  for (int i = 0; i < 3; i++) {
+    base.q_strides[i] = q.strides()[i];
+  }
+  base.o_strides[0] = length * heads * dim; // out is (B, L, Hq, D)
+  base.o_strides[1] = dim;
+  base.o_strides[2] = heads * dim;
+  base.batch = int32_t(batch);
+  base.q_heads = int32_t(heads);
+  base.kv_heads = inputs[1].shape(1);
+  base.length = int32_t(length);
+  base.dim = int32_t(dim);
+  base.scale = scale_;
+  base.causal = causal_;
+  base.threads = threads_;
+  base.generic = generic_;
+  std::vector<AttnArgs> rows(size_t(batch), base);
+  for (int64_t b = 0; b < batch; b++) {
+    auto k = unit_last_stride(inputs[1 + b], s);
+    auto v = unit_last_stride(inputs[1 + batch + b], s);
+    encoder.set_input_array(k);
+    encoder.set_input_array(v);
+    AttnArgs& r = rows[size_t(b)];
+    r.q = base.q + b * base.q_strides[0];
+    r.out = base.out + b * base.o_strides[0];
+    r.k = k.data<float>();
+    r.v = v.data<float>();
+    for (int i = 0; i < 3; i++) {
+      r.k_strides[i] = k.strides()[i];
+      r.v_strides[i] = v.strides()[i];
+    }
+    r.batch = 1;
+    r.keys = lengths_[size_t(b)];
+    base.keys = std::max(base.keys, r.keys);
+  }
+  encoder.dispatch([base, rows = std::move(rows)]() {
+    AttnRows ra{base, rows.data()};
+    int status = mlxgw_attention_decode_rows(&ra);
+    if (status == 1) { // the prompt kernel computes each row on its own: the same bits
+      status = 0;
+      for (size_t b = 0; status == 0 && b < rows.size(); b++) {
+        status = mlxgw_attention(&rows[b]);
+      }
+    }
+    check_status(status, "attention_rows");
+  });
+}
+
+void AttentionRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[mlxgw.attention_rows] runs on the CPU only");
+}
+
+bool AttentionRows::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const AttentionRows&>(other);
+  return lengths_ == o.lengths_ && scale_ == o.scale_ && causal_ == o.causal_ &&
+      threads_ == o.threads_ && generic_ == o.generic_;
+}
+
+std::vector<mx::Shape> AttentionRows::output_shapes(const std::vector<mx::array>& inputs) {
+  auto& q = inputs[0];
+  return {mx::Shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)}};
+}
+
+mx::array quantized_attention_rows(
+    const mx::array& q,
+    const std::vector<std::vector<mx::array>>& keys,
+    const std::vector<std::vector<mx::array>>& values,
+    const std::vector<int>& lengths,
+    int bits,
+    int group_size,
+    float scale,
+    bool causal,
+    int threads,
+    bool generic) {
+  const size_t batch = lengths.size();
+  const int dim = q.ndim() == 4 ? q.shape(3) : 0;
+  bool ok = q.ndim() == 4 && size_t(q.shape(0)) == batch && keys.size() == batch &&
+      values.size() == batch && batch > 0 && (bits == 8 || bits == 4) && group_size > 0 &&
+      group_size % 8 == 0 && dim % group_size == 0 && dim <= 512;
+  for (size_t b = 0; ok && b < batch; b++) {
+    for (const auto* side : {&keys[b], &values[b]}) {
+      ok = ok && side->size() == 3;
+      for (size_t i = 0; ok && i < 3; i++) {
+        const auto& a = (*side)[i];
+        const int width = i == 0 ? dim * bits / 32 : dim / group_size;
+        ok = a.ndim() == 4 && a.shape(0) == 1 && a.shape(1) > 0 &&
+            q.shape(1) % a.shape(1) == 0 && a.shape(1) == keys[0][0].shape(1) &&
+            a.shape(2) == (*side)[0].shape(2) && a.shape(3) == width &&
+            (i == 0 ? a.dtype() == mx::uint32 : true) && lengths[b] >= q.shape(2) &&
+            lengths[b] <= a.shape(2);
+      }
+    }
+  }
+  if (!ok) {
+    std::ostringstream msg;
+    msg << "[mlxgw.quantized_attention_rows] q (B, Hq, L, D), per row keys and values "
+           "(codes, scales, biases) of 8 or 4 bits in groups dividing D; got q "
+        << q.shape() << " and " << keys.size() << " rows";
+    throw std::invalid_argument(msg.str());
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs{mx::astype(q, mx::float32, stream)};
+  for (size_t b = 0; b < batch; b++) {
+    for (const auto* side : {&keys[b], &values[b]}) {
+      inputs.push_back((*side)[0]);
+      inputs.push_back(mx::astype((*side)[1], mx::float32, stream));
+      inputs.push_back(mx::astype((*side)[2], mx::float32, stream));
+    }
+  }
+  return mx::array(
+      mx::Shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)},
+      mx::float32,
+      std::make_shared<QuantizedAttentionRows>(
+          stream, lengths, bits, group_size, scale, causal, std::max(1, threads), generic),
+      std::move(inputs));
+}
+
+void QuantizedAttentionRows::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  auto s = stream();
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  const int64_t batch = int64_t(lengths_.size());
+  auto q = unit_last_stride(inputs[0], s);
+  encoder.set_input_array(q);
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  encoder.set_output_array(out);
+  const int64_t heads = q.shape(1), length = q.shape(2), dim = q.shape(3);
+  std::vector<QAttnArgs> rows(static_cast<size_t>(batch));
+  for (int64_t b = 0; b < batch; b++) {
+    std::array<mx::array, 6> parts{
+        row_contiguous(inputs[1 + 6 * b], s), row_contiguous(inputs[2 + 6 * b], s),
+        row_contiguous(inputs[3 + 6 * b], s), row_contiguous(inputs[4 + 6 * b], s),
+        row_contiguous(inputs[5 + 6 * b], s), row_contiguous(inputs[6 + 6 * b], s)};
+    for (auto& a : parts) {
+      encoder.set_input_array(a);
+    }
+    QAttnArgs& r = rows[size_t(b)];
+    r = QAttnArgs{};
+    AttnArgs& a = r.base;
+    a.q = q.data<float>() + b * q.strides()[0];
+    a.out = out.data<float>() + b * length * heads * dim; // out is (B, L, Hq, D)
+    for (int i = 0; i < 3; i++) {
+      a.q_strides[i] = q.strides()[i];
+    }
+    a.o_strides[0] = length * heads * dim;
+    a.o_strides[1] = dim;
+    a.o_strides[2] = heads * dim;
+    a.batch = 1;
+    a.q_heads = int32_t(heads);
+    a.kv_heads = parts[0].shape(1);
+    a.length = int32_t(length);
+    a.keys = lengths_[size_t(b)];
+    a.dim = int32_t(dim);
+    a.scale = scale_;
+    a.causal = causal_;
+    a.threads = threads_;
+    a.generic = generic_;
+    r.kq = parts[0].data<uint8_t>();
+    r.ks = parts[1].data<float>();
+    r.kb = parts[2].data<float>();
+    r.vq = parts[3].data<uint8_t>();
+    r.vs = parts[4].data<float>();
+    r.vb = parts[5].data<float>();
+    for (int i = 0; i < 3; i++) { // codes in bytes, groups in floats
+      r.kq_strides[i] = parts[0].strides()[i] * 4;
+      r.ks_strides[i] = parts[1].strides()[i];
+      r.kb_strides[i] = parts[2].strides()[i];
+      r.vq_strides[i] = parts[3].strides()[i] * 4;
+      r.vs_strides[i] = parts[4].strides()[i];
+      r.vb_strides[i] = parts[5].strides()[i];
+    }
+    r.bits = bits_;
+    r.group = group_size_;
+  }
+  encoder.dispatch([rows = std::move(rows)]() {
+    for (const auto& r : rows) {
+      check_status(mlxgw_attention_quantized(&r), "quantized_attention_rows");
+    }
+  });
+}
+
+void QuantizedAttentionRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[mlxgw.quantized_attention_rows] runs on the CPU only");
+}
+
+bool QuantizedAttentionRows::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const QuantizedAttentionRows&>(other);
+  return lengths_ == o.lengths_ && bits_ == o.bits_ && group_size_ == o.group_size_ &&
+      scale_ == o.scale_ && causal_ == o.causal_ && threads_ == o.threads_ &&
+      generic_ == o.generic_;
+}
+
+std::vector<mx::Shape> QuantizedAttentionRows::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  auto& q = inputs[0];
+  return {mx::Shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)}};
+}
+
 } // namespace mlxgw

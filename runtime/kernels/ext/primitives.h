@@ -73,6 +73,45 @@ mx::array attention(
     int threads,
     bool generic);
 
+// Rows of a running batch, each in buffers of its own (runtime/cache/rows.py): `news[p]`
+// (B, H, L, X_p) goes into every row b's buffer `rows[p][b]` (1, H, C_b, X_p), at columns
+// [ends[b] - L, ends[b]), in place. Out: those buffers in the same order (the same memory,
+// now holding the new columns): one graph node for every row and part of a layer.
+std::vector<std::vector<mx::array>> append_rows(
+    const std::vector<mx::array>& news,
+    const std::vector<std::vector<mx::array>>& rows,
+    const std::vector<int>& ends);
+
+// `attention` over rows held in buffers of their own: (B, Hq, L, D) queries, row b's keys
+// and values the first lengths[b] columns of keys[b] and values[b] (1, Hkv, C_b, D); the
+// queries are each row's last L positions. The same bits as `attention` over the rows
+// left-padded in one buffer with `starts` at their padding. Out: (B, L, Hq, D) float32.
+mx::array attention_rows(
+    const mx::array& q,
+    const std::vector<mx::array>& keys,
+    const std::vector<mx::array>& values,
+    const std::vector<int>& lengths,
+    float scale,
+    bool causal,
+    int threads,
+    bool generic);
+
+// `attention_rows` over rows of a quantized KV cache (runtime/cache/quantized.py): row b
+// is keys[b] and values[b], each (codes uint32 (1, Hkv, C_b, D * bits / 32), scales and
+// biases (1, Hkv, C_b, D / group_size)), as mlxgw_attention_quantized reads them, a row at
+// a time (the kernel computes each row on its own: the bits of the rows left-padded).
+mx::array quantized_attention_rows(
+    const mx::array& q,
+    const std::vector<std::vector<mx::array>>& keys,
+    const std::vector<std::vector<mx::array>>& values,
+    const std::vector<int>& lengths,
+    int bits,
+    int group_size,
+    float scale,
+    bool causal,
+    int threads,
+    bool generic);
+
 // RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * (w + unit_offset), float32.
 mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, bool unit_offset);
 
@@ -197,6 +236,99 @@ class Attention : public mx::Primitive {
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 
  private:
+  float scale_;
+  bool causal_;
+  int threads_;
+  bool generic_;
+};
+
+// inputs: the P new arrays, then every part's rows (part-major); outputs: the rows
+class AppendRows : public mx::Primitive {
+ public:
+  AppendRows(mx::Stream stream, int parts, std::vector<int> ends)
+      : mx::Primitive(stream), parts_(parts), ends_(std::move(ends)) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  const char* name() const override {
+    return "MlxgwAppendRows";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int parts_;
+  std::vector<int> ends_;
+};
+
+// inputs: q, then the rows' keys, then their values
+class AttentionRows : public mx::Primitive {
+ public:
+  AttentionRows(
+      mx::Stream stream,
+      std::vector<int> lengths,
+      float scale,
+      bool causal,
+      int threads,
+      bool generic)
+      : mx::Primitive(stream),
+        lengths_(std::move(lengths)),
+        scale_(scale),
+        causal_(causal),
+        threads_(threads),
+        generic_(generic) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  const char* name() const override {
+    return "MlxgwAttentionRows";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  std::vector<int> lengths_;
+  float scale_;
+  bool causal_;
+  int threads_;
+  bool generic_;
+};
+
+// inputs: q, then per row its keys' codes, scales, biases and its values'
+class QuantizedAttentionRows : public mx::Primitive {
+ public:
+  QuantizedAttentionRows(
+      mx::Stream stream,
+      std::vector<int> lengths,
+      int bits,
+      int group_size,
+      float scale,
+      bool causal,
+      int threads,
+      bool generic)
+      : mx::Primitive(stream),
+        lengths_(std::move(lengths)),
+        bits_(bits),
+        group_size_(group_size),
+        scale_(scale),
+        causal_(causal),
+        threads_(threads),
+        generic_(generic) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  const char* name() const override {
+    return "MlxgwQuantizedAttentionRows";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  std::vector<int> lengths_;
+  int bits_, group_size_;
   float scale_;
   bool causal_;
   int threads_;

@@ -13,6 +13,10 @@ Two vocabulary kinds matter (``tokenizer.ggml.model``):
   joined piece. Gemma's scores do not follow its merge order while its token order does,
   so Gemma ranks by position and the others by score. Spaces are written ``▁``; byte
   tokens ``<0xNN>`` back the BPE up (byte fallback).
+- ``bert``: WordPiece (BERT-family encoders). llama.cpp's converter respells the
+  vocabulary: a word-initial piece gets a leading ``▁`` and a continuation piece loses its
+  ``##``; both are undone here, and the file's [CLS] (BOS) and [SEP] frame each input
+  (``[CLS] A [SEP] B [SEP]`` for a pair), as BERT's own tokenizer does.
 
 Token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused,
 6 byte. Control tokens become special added tokens (matched whole, hidden on decode);
@@ -26,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from runtime.load.gguf.pretokenizers import pre_tokenizer
@@ -161,6 +165,30 @@ def _sentencepiece(
     return tok
 
 
+def _wordpiece(meta: Mapping[str, Any], tokens: list[str], types: np.ndarray) -> HFTokenizer:
+    spelled = [
+        t if types[i] != NORMAL else t[1:] if t.startswith("▁") else f"##{t}"
+        for i, t in enumerate(tokens)
+    ]
+    unk = _token(spelled, meta.get("tokenizer.ggml.unknown_token_id")) or "[UNK]"
+    tok = HFTokenizer(models.WordPiece(_first_ids(spelled), unk_token=unk))
+    lowercase = bool(meta.get("tokenizer.ggml.normalizer.lowercase", True))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    cls = _token(spelled, meta.get("tokenizer.ggml.bos_token_id"))
+    sep_id = meta.get("tokenizer.ggml.seperator_token_id", meta.get("tokenizer.ggml.eos_token_id"))
+    sep = _token(spelled, sep_id)
+    if cls is None or sep is None:
+        raise ValueError("a GGUF WordPiece vocabulary needs its [CLS] (bos) and [SEP] ids")
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}",
+        pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, spelled.index(cls)), (sep, spelled.index(sep))],
+    )
+    return tok
+
+
 def _add_whole_tokens(tok: HFTokenizer, tokens: list[str], types: np.ndarray) -> None:
     """Control tokens as special added tokens, user-defined ones as plain added tokens."""
     control = [
@@ -191,8 +219,12 @@ def build_hf_tokenizer(meta: Mapping[str, Any]) -> HFTokenizer:
         tok = _byte_level(meta, tokens, types)
     elif kind == "llama":
         tok = _sentencepiece(meta, tokens, types, arch)
+    elif kind == "bert":
+        tok = _wordpiece(meta, tokens, types)
     else:
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama)")
+        raise ValueError(
+            f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama, bert)"
+        )
     _add_whole_tokens(tok, tokens, types)
     return tok
 

@@ -10,8 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("torch")
@@ -200,3 +202,38 @@ def test_models_serve_only_their_task(client: Any, base_url: str) -> None:
     assert r.status_code == 400 and r.json()["type"] == "error"
     listed = {m.id for m in client.models.list().data}
     assert {CHAT, EMBED, RERANK} <= listed
+
+
+def _encoder_samples(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"{base_url}/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("mlx_gateway_encode_")
+    }
+
+
+def test_metrics_count_embedding_and_rerank_requests(
+    client: Any, base_url: str, loaded: LoadedEncoder
+) -> None:
+    before = _encoder_samples(base_url)
+    texts = ["metrics count this one", "and this one", "and this one too"]
+    got = client.embeddings.create(model=EMBED, input=texts)
+    client.embeddings.create(model=EMBED, input=texts)  # from the encoder's recent rows
+    r = post(base_url, "/v1/rerank", {"model": RERANK, "query": "q", "documents": ["a", "b c"]})
+    assert r.status_code == 200, r.text
+    after = _encoder_samples(base_url)
+
+    def grew(name: str, **labels: str) -> float:
+        key = (f"mlx_gateway_encode_{name}", tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert grew("requests_total", task="embed", reason="stop") == 2
+    assert grew("requests_total", task="rerank", reason="stop") == 1
+    assert grew("inputs_total", task="embed") == 6 and grew("inputs_total", task="rerank") == 2
+    assert grew("tokens_total", task="embed") == 2 * got.usage.prompt_tokens
+    assert grew("cached_tokens_total", task="embed") == got.usage.prompt_tokens
+    assert grew("tokens_total", task="rerank") == r.json()["usage"]["total_tokens"]
+    assert grew("request_seconds_count", task="embed") == 2
+    assert grew("request_seconds_sum", task="embed") > 0

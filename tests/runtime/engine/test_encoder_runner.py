@@ -5,6 +5,7 @@ and a 1,000-input request never stalls a chat model's running stream."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,3 +174,14 @@ def test_a_long_encode_never_stalls_a_chat_stream(
             assert len(set(during)) >= 2, (pieces, seen[-10:])  # tokens between pieces
     finally:
         chat.stop()
+
+
+def test_each_request_logs_one_line(
+    loaded: LoadedEncoder, caplog: pytest.LogCaptureFixture
+) -> None:
+    inputs = _inputs(loaded, 7, seed=6)
+    with caplog.at_level(logging.DEBUG, logger="runtime.engine.encoder"):
+        run_encoder(loaded, inputs)
+    lines = [r.getMessage() for r in caplog.records if r.name == "runtime.engine.encoder"]
+    tokens = sum(len(x.tokens) for x in inputs)
+    assert len(lines) == 1 and f"inputs=7 tokens={tokens} cached=0" in lines[0], lines

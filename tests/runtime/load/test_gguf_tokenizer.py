@@ -106,7 +106,7 @@ def test_sentencepiece_without_space_prefix() -> None:
 
 def test_unsupported_gguf_tokenizer_model() -> None:
     with pytest.raises(ValueError, match="not supported"):
-        build_hf_tokenizer({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
+        build_hf_tokenizer({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]})
 
 
 # -- real GGUF files against their families' reference tokenizers ------------------------------

@@ -15,6 +15,7 @@ st = pytest.importorskip("sentence_transformers")
 
 from runtime.load import load_encoder  # noqa: E402
 from runtime.text import EncoderTokenizer  # noqa: E402
+from tests.support.gguf_encoders import write_bert_gguf  # noqa: E402
 from tests.support.tiny_encoders import run_encoder  # noqa: E402
 
 pytestmark = pytest.mark.real_model
@@ -89,3 +90,28 @@ def test_minilm_equals_sentence_transformers(all_minilm_dir: Path) -> None:
     worst = int(np.argmin(cosines))
     assert cosines.min() >= 0.9999, (sentences[worst][:80], float(cosines[worst]))
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+
+
+def test_minilm_from_gguf_equals_sentence_transformers(
+    all_minilm_dir: Path, tmp_path: Path
+) -> None:
+    """The same model as llama.cpp's converter writes it: normalized mean pooling, and
+    the same ids (its WordPiece respelled back) cut at the same 256 tokens."""
+    sentences = _sentences()
+    reference = st.SentenceTransformer(str(all_minilm_dir), device="cpu").encode(
+        sentences, batch_size=64
+    )
+    path = tmp_path / "all-minilm-l6-v2-f32.gguf"
+    write_bert_gguf(all_minilm_dir, path)
+    loaded = load_encoder(path)
+    assert loaded.max_length == 512 and loaded.width == 384
+    folder = load_encoder(all_minilm_dir)
+    items = EncoderTokenizer(loaded.tokenizer).texts(sentences, 256)
+    theirs = EncoderTokenizer(folder.tokenizer, lowercase=folder.lowercase).texts(sentences, 256)
+    assert [t.input for t in items] == [t.input for t in theirs]
+    ours = run_encoder(loaded, [t.input for t in items])
+    cosines = np.sum(ours * reference, axis=1) / (
+        np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1)
+    )
+    worst = int(np.argmin(cosines))
+    assert cosines.min() >= 0.9999, (sentences[worst][:80], float(cosines[worst]))

@@ -391,6 +391,45 @@ def test_prefix_cache_keys_images_by_content(engine: _Served) -> None:
     assert second == _greedy(model, turn, with_x, 6)
 
 
+@BOTH
+def test_a_new_question_about_the_same_image_reuses_it(kind: str, tiny: TinyModels) -> None:
+    """The recurrent layers get a snapshot where an image's span ends (and at message
+    starts), as a text prompt's do at message starts; no snapshot interval falls in
+    the prompt, and the points inside a chunk cost no forward of their own."""
+    loaded = load(tiny[kind][1], dtype="float32")
+    model: Any = loaded.model
+    placed = model.forward_placed
+    chunks: list[int] = []
+
+    def counting(tokens: mx.array, *args: Any) -> mx.array:
+        chunks.append(int(tokens.shape[1]))
+        out: mx.array = placed(tokens, *args)
+        return out
+
+    model.forward_placed = counting
+    eng = Engine(ModelRunner(loaded, RunnerSettings(prefix_cache_bytes=1 << 28)))
+    eng.start()
+    reference = load_mlx(tiny[kind][1])
+    x = _pixels(8, 16, 24)
+    try:
+        # reused: nothing; the image's span (not its <|vision_end|>, nor the question);
+        # up to where the second request left the first one (a branch point)
+        for question, reused in (([25, 26, 27], 0), ([40, 41], 10), ([42], 11)):
+            tokens, images = prompt([x], [[990, 20, 21], [*question, 991, 990, 30]])
+            starts = tuple(i for i, t in enumerate(tokens) if i and t == 990)
+            request = GenerationRequest(
+                tuple(tokens), 6, SamplingParams(temperature=0.0), images=tuple(images),
+                boundaries=starts,
+            )  # fmt: skip
+            chunks.clear()
+            got, cached = _collect(eng.submit(request))
+            assert len(chunks) == 1  # one forward, whatever the points inside
+            assert images[0].end == 10 and cached == reused
+            assert got == _greedy(reference, tokens, images, 6)
+    finally:
+        eng.stop()
+
+
 def test_an_image_request_batched_with_a_text_request(engine: _Served) -> None:
     eng, model, _, _ = engine
     # a 5 x 5 image: what follows sits 20 positions before its offset
