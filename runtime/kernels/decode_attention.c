@@ -224,6 +224,40 @@ static void merge(const DecodeJob *job, int l, int64_t bk) {
     }
 }
 
+typedef void (*DecodeFn)(const AttnArgs *, const QueryPlan *, int, float *, int64_t);
+
+/* Plans each query position's chunks as a one-query step over its keys would split them
+ * (`keys`: the longest row's, from its first key; enough chunks for every thread to have
+ * several, none shorter than DEC_MIN_CHUNK), runs the items on the threads (`avx2` where
+ * the CPU has it) and merges them. */
+static int run_decode(const AttnArgs *a, int32_t keys, int threads, DecodeFn generic,
+                      DecodeFn avx2) {
+    const int64_t heads = (int64_t)a->batch * a->kv_heads;
+    DecodeJob job = {0};
+    job.a = a;
+    job.group = a->q_heads / a->kv_heads;
+    for (int l = 0; l < a->length; l++) {
+        const int32_t span = keys - a->length + l + 1;
+        int64_t chunks = (4 * (int64_t)threads + heads - 1) / heads;
+        const int64_t most = (span + DEC_MIN_CHUNK - 1) / DEC_MIN_CHUNK;
+        chunks = chunks < most ? chunks : most;
+        chunks = chunks < 1 ? 1 : chunks;
+        int32_t chunk = (int32_t)((span + chunks - 1) / chunks);
+        job.plan[l].chunk = (chunk + 7) / 8 * 8;
+        job.plan[l].chunks = (int)chunks;
+        job.plan[l].first = job.items;
+        job.items += heads * chunks;
+    }
+    job.part = malloc((size_t)job.items * job.group * (a->dim + 2) * sizeof(float));
+    if (job.part == NULL) return 2;
+    job.fn = avx2 != NULL && use_avx2(a->generic) ? avx2 : generic;
+    run_threads(decode_worker, &job, threads < job.items ? threads : (int)job.items);
+    for (int l = 0; l < a->length; l++)
+        for (int64_t bk = 0; bk < heads; bk++) merge(&job, l, bk);
+    free(job.part);
+    return 0;
+}
+
 EXPORT int mlxgw_attention_decode(const AttnArgs *a) {
     if (a->length < 1 || a->length > DEC_MAX_LENGTH || (a->length > 1 && !a->causal) ||
         a->batch < 1 || a->kv_heads < 1 || a->q_heads % a->kv_heads != 0 ||
@@ -237,35 +271,13 @@ EXPORT int mlxgw_attention_decode(const AttnArgs *a) {
         first_key = start < first_key ? start : first_key;
     }
     const int threads = a->threads < 1 ? 1 : a->threads;
-    const int64_t heads = (int64_t)a->batch * a->kv_heads;
-    DecodeJob job = {0};
-    job.a = a;
-    job.group = a->q_heads / a->kv_heads;
-    for (int l = 0; l < a->length; l++) {
-        /* as a one-query step over this query's keys would split them: enough chunks for
-         * every thread to have several, none shorter than DEC_MIN_CHUNK */
-        const int32_t longest = a->keys - a->length + l + 1 - first_key;
-        int64_t chunks = (4 * (int64_t)threads + heads - 1) / heads;
-        const int64_t most = (longest + DEC_MIN_CHUNK - 1) / DEC_MIN_CHUNK;
-        chunks = chunks < most ? chunks : most;
-        chunks = chunks < 1 ? 1 : chunks;
-        int32_t chunk = (int32_t)((longest + chunks - 1) / chunks);
-        job.plan[l].chunk = (chunk + 7) / 8 * 8;
-        job.plan[l].chunks = (int)chunks;
-        job.plan[l].first = job.items;
-        job.items += heads * chunks;
-    }
-    job.part = malloc((size_t)job.items * job.group * (a->dim + 2) * sizeof(float));
-    if (job.part == NULL) return 2;
-    job.fn = decode_generic;
+    return run_decode(a, a->keys - first_key, threads, decode_generic,
 #if HAVE_X86_DISPATCH
-    if (use_avx2(a->generic)) job.fn = decode_avx2;
+                      decode_avx2
+#else
+                      NULL
 #endif
-    run_threads(decode_worker, &job, threads < job.items ? threads : (int)job.items);
-    for (int l = 0; l < a->length; l++)
-        for (int64_t bk = 0; bk < heads; bk++) merge(&job, l, bk);
-    free(job.part);
-    return 0;
+    );
 }
 
 /* ------------------------------------------------------------ rows of their own ---- */
@@ -326,31 +338,11 @@ EXPORT int mlxgw_attention_decode_rows(const AttnRows *ra) {
         longest = row->keys > longest ? row->keys : longest;
     }
     const int threads = a->threads < 1 ? 1 : a->threads;
-    const int64_t heads = (int64_t)a->batch * a->kv_heads;
-    DecodeJob job = {0};
-    job.a = a;
-    job.group = a->q_heads / a->kv_heads;
-    for (int l = 0; l < a->length; l++) { /* mlxgw_attention_decode's plan, first key 0 */
-        const int32_t span = longest - a->length + l + 1;
-        int64_t chunks = (4 * (int64_t)threads + heads - 1) / heads;
-        const int64_t most = (span + DEC_MIN_CHUNK - 1) / DEC_MIN_CHUNK;
-        chunks = chunks < most ? chunks : most;
-        chunks = chunks < 1 ? 1 : chunks;
-        int32_t chunk = (int32_t)((span + chunks - 1) / chunks);
-        job.plan[l].chunk = (chunk + 7) / 8 * 8;
-        job.plan[l].chunks = (int)chunks;
-        job.plan[l].first = job.items;
-        job.items += heads * chunks;
-    }
-    job.part = malloc((size_t)job.items * job.group * (a->dim + 2) * sizeof(float));
-    if (job.part == NULL) return 2;
-    job.fn = decode_rows_generic;
+    return run_decode(a, longest, threads, decode_rows_generic,
 #if HAVE_X86_DISPATCH
-    if (use_avx2(a->generic)) job.fn = decode_rows_avx2;
+                      decode_rows_avx2
+#else
+                      NULL
 #endif
-    run_threads(decode_worker, &job, threads < job.items ? threads : (int)job.items);
-    for (int l = 0; l < a->length; l++)
-        for (int64_t bk = 0; bk < heads; bk++) merge(&job, l, bk);
-    free(job.part);
-    return 0;
+    );
 }
