@@ -23,6 +23,7 @@ from gateway.cli.launch import add_launch_parser
 from gateway.cli.remote import add_server_options
 from gateway.core.settings import (
     API_KEY_ENV,
+    DEFAULT_ENCODER_SHARE,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_PREPARING,
@@ -168,7 +169,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=env("SPECULATIVE", "") or None,
         help="draft the next tokens from the conversation itself (prompt lookup: what an "
         "agent writes back from a file it read), also from other conversations (trie), or "
-        "with a draft model (draft), and check them in one forward; the output is the same "
+        "with a draft model (draft) or the model's own multi-token-prediction layer (mtp: "
+        "DeepSeek-V3, GLM-4.x, Qwen3-Next, Qwen3.5 checkpoints that ship it; its weights are "
+        "loaded only then), and check them in one forward; the output is the same "
         "token for token (sampled: the same distribution), and a sequence stops drafting "
         "where it does not pay (default: $MLX_GATEWAY_SPECULATIVE, else draft with "
         "--draft-model, else lookup)",
@@ -221,6 +224,16 @@ def _models_args(p: argparse.ArgumentParser) -> None:
         "and prefix cache share what its weights leave; with several models at most a "
         "quarter of RAM each): a model that would not fit first unloads the least recently "
         "used idle ones (default: three quarters of RAM)",
+    )
+    p.add_argument(
+        "--encoder-share",
+        type=_share,
+        default=env("ENCODER_SHARE", str(DEFAULT_ENCODER_SHARE)),
+        metavar="FRACTION",
+        help="the cores' time an embedding or rerank model gets while a chat model has work: "
+        "they take turns, chat first, so streams keep their pace beside a large embedding "
+        "request (default: $MLX_GATEWAY_ENCODER_SHARE, else 0.25; above 0, at most 1; 1 = no "
+        "turns, the two compute at once and slow each other)",
     )
     p.add_argument(
         "--quantize",
@@ -361,6 +374,16 @@ def _distributed_args(p: argparse.ArgumentParser) -> None:
         help="seconds a rank may stay silent (beyond a step's expected time) before the "
         f"group counts as lost: requests then get 503s (default {DEFAULT_DISTRIBUTED_TIMEOUT_S:g})",
     )
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a fraction: {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, not {text}")
+    return value
 
 
 def _seconds(text: str) -> float:

@@ -18,7 +18,7 @@ DEFAULT_MAX_TOKENS = 8192
 QUANTIZE_CHOICES = ("q4", "q8")
 QUANTIZE_GROUPS = (32, 64, 128)
 # --speculative: runtime.batch.SPECULATIVE_MODES, for the same reason
-SPECULATIVE_CHOICES = ("off", "lookup", "trie", "draft")
+SPECULATIVE_CHOICES = ("off", "lookup", "trie", "draft", "mtp")
 DEFAULT_QUANTIZE_GROUP = 64
 # open connections served at once; beyond it a 503 with Retry-After (uvicorn's
 # limit_concurrency, answered in the dialect): with --max-body-bytes, a bound on the
@@ -29,6 +29,9 @@ DEFAULT_MAX_CONNECTIONS = 1024
 # test_concurrency.py); the app gives anyio's thread pool this many threads and 8 more,
 # so the model loader and the debug view always find one.
 DEFAULT_MAX_PREPARING = 64
+# --encoder-share: an encoder's share of the cores while a chat model has work
+# (runtime.engine.turns.DEFAULT_SHARE; the CLI must not import the runtime for --help)
+DEFAULT_ENCODER_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,8 @@ class EngineSettings:
     # full-attention layers keep keys and values in 8 or 4 bits (None: lossless)
     kv_bits: int | None = None
     # drafting tokens, checked in one forward: "lookup" (prompt lookup), "trie" (and other
-    # conversations), "draft" (a draft model: `draft_model`) or "off" (a request's
+    # conversations), "draft" (a draft model: `draft_model`), "mtp" (the model's own
+    # multi-token-prediction layer, loaded only then) or "off" (a request's
     # predicted output drafts either way; runtime/batch/speculative.py)
     speculative: str = "lookup"
     # the draft model's folder or file (its tokenizer the served model's): "draft" only

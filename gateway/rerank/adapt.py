@@ -47,7 +47,14 @@ def plan(req: RerankRequest) -> RerankPlan:
 
 
 def inputs(loaded: LoadedEncoder, plan: RerankPlan) -> list[EncodeInput]:
-    """The pairs as encoder inputs (off the event loop: tokenizing is the work)."""
+    """The pairs as encoder inputs (off the event loop: tokenizing is the work); a
+    decoder reranker's written into its prompt (runtime/text/pair_prompt.py)."""
+    if loaded.pair_prompt is not None:
+        pairs = loaded.pair_prompt.pairs(
+            loaded.tokenizer, plan.query, plan.documents, loaded.max_length,
+            plan.max_tokens_per_doc,
+        )  # fmt: skip
+        return [p.input for p in pairs]
     tok = EncoderTokenizer(loaded.tokenizer, lowercase=loaded.lowercase)
     pairs = tok.pairs(plan.query, plan.documents, loaded.max_length, plan.max_tokens_per_doc)
     return [p.input for p in pairs]

@@ -8,6 +8,7 @@ from runtime.batch.draft_model import DraftModel, check_vocabulary, weight_ratio
 from runtime.batch.drafts import SPECULATIVE_MODES
 from runtime.batch.generate import DEFAULT_PREFILL_CHUNK, generate_tokens
 from runtime.batch.handle import RequestHandle, ThreadSink, open_handle
+from runtime.batch.mtp import MTPDrafter
 from runtime.batch.pacing import FUSED_SHARE
 from runtime.batch.prompt_prefill import keeps_on_the_way
 from runtime.batch.scheduler import Scheduler, SchedulerStats
@@ -19,6 +20,7 @@ __all__ = [
     "FUSED_SHARE",
     "SPECULATIVE_MODES",
     "DraftModel",
+    "MTPDrafter",
     "RequestHandle",
     "Scheduler",
     "SchedulerStats",

@@ -32,8 +32,9 @@ SHORTEST_NGRAM = 2
 PROBE_AFTER = 32  # steps without a draft before a row that stopped drafting tries again
 # off: only a request's predicted output drafts; lookup: its own sequence too; trie: and
 # what other conversations wrote (runtime/batch/history.py); draft: a small model with the
-# same tokenizer (runtime/batch/draft_model.py)
-SPECULATIVE_MODES = ("off", "lookup", "trie", "draft")
+# same tokenizer (runtime/batch/draft_model.py); mtp: the target's own multi-token-prediction
+# head (runtime/batch/mtp.py)
+SPECULATIVE_MODES = ("off", "lookup", "trie", "draft", "mtp")
 
 
 class Lookup:

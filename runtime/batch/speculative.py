@@ -32,6 +32,9 @@ rejection.py): the output keeps the target's distribution, not its exact tokens.
 forwards cost time, measured, which the choice of draft length weighs. A row whose
 draft caches lag (a long prompt) catches up a bounded read a step, and meanwhile no
 row drafts (`behind`): the others' accepted drafts would only be fed again each step.
+
+With the target's MTP head (runtime/batch/mtp.py) every step verifies: each hands the
+head the hidden states of the columns it committed (`observe_committed`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from runtime.batch.draft_model import DraftModel, ModelLookup, propose_all
 from runtime.batch.drafts import MAX_DRAFT, SPECULATIVE_MODES, Draft, DraftTiming, Lookup
 from runtime.batch.generate import SampledToken, read_sampled
 from runtime.batch.history import SharedHistory
+from runtime.batch.mtp import MTPDrafter, MTPLookup, observe_committed
 from runtime.batch.rejection import checked_tokens
 from runtime.batch.running import Agree, RunningBatch
 from runtime.batch.sequence import Seq
@@ -115,12 +119,20 @@ class Speculation:
         self.stats = SpecStats()
         self.verifying = False  # the next step is a verify step
         self.model: DraftModel | None = None  # `draft`: the draft model (`attach`)
+        self.mtp: MTPDrafter | None = None  # `mtp`: the target's MTP head (`attach_mtp`)
 
     def attach(self, model: DraftModel) -> None:
         """Draft with `model` (`--speculative draft`); its cost goes into the stats."""
         self.model = model
         model.timing = self.stats.draft
         self.stats.draft.prior = model.prior
+
+    def attach_mtp(self, drafter: MTPDrafter) -> None:
+        """Draft with the target's MTP head (`--speculative mtp`); its cost goes into
+        the stats."""
+        self.mtp = drafter
+        drafter.timing = self.stats.draft
+        self.stats.draft.prior = drafter.prior
 
     def close(self) -> None:
         if self.model is not None:
@@ -138,6 +150,9 @@ class Speculation:
     def start(self, seq: Seq) -> None:
         """Drafting state for a sequence joining the batch: its prompt and output so
         far, and its prediction."""
+        if self.mtp is not None and seq.images is None:
+            seq.lookup = self.mtp.start(seq)
+            return
         if self.model is not None and seq.images is None:
             try:
                 seq.lookup = self.model.start(seq)
@@ -155,6 +170,8 @@ class Speculation:
             self.history.add(seq.lookup.tokens)
         if self.model is not None and isinstance(seq.lookup, ModelLookup):
             self.model.finished(seq.lookup)
+        if isinstance(seq.lookup, MTPLookup):
+            seq.lookup.close()
 
     def step(self, batch: RunningBatch, plain: float, agree: Agree) -> list[int]:
         """A verify step (`verify_step`); `plain`: a plain step's seconds."""
@@ -169,7 +186,8 @@ class Speculation:
         able = bool(batch.rows) and can_speculate(batch)
         if able and self.model is not None:
             self.model.catch_up(behind(batch.rows, self.stats), step_seconds)
-        self.verifying = able and wants_drafts(batch, self.stats)
+        # MTP rows need every step's hidden states: a pipelined step hands none over
+        self.verifying = able and (_hands_hidden(batch.rows) or wants_drafts(batch, self.stats))
         if before and not self.verifying:
             for row in batch.rows:
                 row.feed = []
@@ -180,6 +198,11 @@ def can_speculate(batch: RunningBatch) -> bool:
     a hybrid's recurrent layers keep their states at each verified position), text
     positions (no image rope shift)."""
     return batch.caches is not None and all(r.shift == 0 for r in batch.rows)
+
+
+def _hands_hidden(rows: list[Seq]) -> bool:
+    """Whether a row drafts with the MTP head (runtime/batch/mtp.py)."""
+    return any(isinstance(r.lookup, MTPLookup) for r in rows)
 
 
 def wants_drafts(batch: RunningBatch, stats: SpecStats) -> bool:
@@ -320,7 +343,8 @@ def verify_step(
     spent = stats.draft.spent
     drafts = plan_drafts(rows, stats)
     drafting = stats.draft.spent - spent  # a draft model's forwards: not the verify's cost
-    if all(len(r.feed) == 1 and not d.tokens for r, d in zip(rows, drafts, strict=True)):
+    nothing = all(len(r.feed) == 1 and not d.tokens for r, d in zip(rows, drafts, strict=True))
+    if nothing and not _hands_hidden(rows):
         # nothing to check after all: a plain step, pipelined again from here
         for row in rows:
             row.input = mx.array(row.feed, dtype=mx.int32)
@@ -328,6 +352,8 @@ def verify_step(
     inputs = [row.feed + list(d.tokens) for row, d in zip(rows, drafts, strict=True)]
     length = max(len(x) for x in inputs)
     padded = [x + [x[-1]] * (length - len(x)) for x in inputs]
+    # each row's position of its first fed token (its tokens so far end with the feed)
+    starts = [len(r.lookup) - len(r.feed) if r.lookup is not None else 0 for r in rows]
     caches.keep_steps()  # recurrent layers: the states `rewind` goes back to
     hidden = batch.model.forward(mx.array(padded, dtype=mx.int32), caches.layers)
     # logits only where a row samples: from its last known token through its drafts
@@ -362,6 +388,7 @@ def verify_step(
     # their accepted tokens again (a row that ended keeps only its accepted columns)
     commit = min(kept)
     caches.rewind(length - commit)
+    observe_committed(rows, starts, hidden, commit)
     for row in rows:
         row.feed = row.feed[commit:]
         row.input = mx.array(row.feed[-1:], dtype=mx.int32)

@@ -23,6 +23,7 @@ from runtime.batch import (
     DEFAULT_PREFILL_CHUNK,
     SPECULATIVE_MODES,
     DraftModel,
+    MTPDrafter,
     Scheduler,
     SequenceOutput,
     check_vocabulary,
@@ -86,7 +87,8 @@ class RunnerSettings:
     kv_bits: int | None = None
     # whether sequences draft tokens and check them in one forward (runtime/batch/
     # speculative.py): "lookup" (from their own prompt and output), "trie" (and from what
-    # other conversations wrote), or "off" (a request's prediction still drafts)
+    # other conversations wrote), "draft" (a draft model), "mtp" (the model's own MTP head:
+    # load it with mtp=True), or "off" (a request's prediction still drafts)
     speculative: str = "lookup"
 
     def __post_init__(self) -> None:
@@ -162,6 +164,8 @@ class ModelRunner:
         if self.draft is not None:
             drafter = _draft_model(loaded, self.draft, self.settings, drafts)
             self.scheduler.speculation.attach(drafter)
+        if self.settings.speculative == "mtp":  # the model was loaded with its MTP layer
+            self.scheduler.speculation.attach_mtp(MTPDrafter(loaded.model))
 
     def grammar_vocabulary(self) -> GrammarVocabulary:
         """The model's vocabulary in the grammar engine, imported once (about 1.5 s for

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-DEFAULT_SHARE = 0.25
+DEFAULT_SHARE = 0.25  # the background's share of the time while a foreground engine works
 DEFAULT_GRAIN_S = 0.02  # a chat stream's token now and then comes this much later
 DEFAULT_PATIENCE_S = 2.0
 _WAKE_S = 0.05  # a foreground engine waiting on a slice re-checks this often
@@ -58,8 +58,8 @@ class Turns:
         patience_s: float = DEFAULT_PATIENCE_S,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if not 0.0 < share < 1.0:
-            raise ValueError(f"share must be in (0, 1), got {share}")
+        if not 0.0 < share < 1.0:  # 1 would starve no one: then take no turns (None)
+            raise ValueError(f"share must be above 0 and below 1, got {share}")
         self.ratio = share / (1.0 - share)  # background seconds per foreground second
         self.grain_s = grain_s
         self.patience_s = patience_s

@@ -21,6 +21,11 @@ pairs, its activation from config.json's `sentence_transformers.activation_fn`
 A GGUF file of a BERT embedding model (llama.cpp's converter's output) is read too:
 runtime/load/gguf/encoder.py says what it holds and what is chosen for what it does not.
 
+Qwen3 decoders served as encoders (Qwen3-Embedding, Qwen3-Reranker; runtime/models/
+qwen3_embed.py) are loaded the same way from a folder or a GGUF file:
+runtime/load/decoder_encoder.py says which qwen3 folders are encoders, and
+runtime/load/gguf/decoder_encoder.py which qwen3 GGUF files.
+
 The tokenizer's own truncation and padding (tokenizer.json may set both) are turned
 off: inputs are measured, refused or truncated by runtime/text/encoding.py.
 """
@@ -39,10 +44,25 @@ from typing import Any
 import mlx.core as mx
 
 from runtime.backend import trim_heap
+from runtime.load.decoder_encoder import (
+    RERANKER_PROMPT,
+    answer_ids,
+    decoder_head,
+    with_final_eos,
+)
+from runtime.load.gguf.decoder_encoder import is_gguf_decoder_encoder, read_gguf_decoder_encoder
 from runtime.load.gguf.encoder import is_gguf_encoder, read_gguf_encoder
 from runtime.load.loaded import resolve_dtype
-from runtime.models import EncoderModel, Pooling, build_encoder, is_encoder_config
-from runtime.text import Tokenizer
+from runtime.models import (
+    DecoderHead,
+    EncoderModel,
+    Pooling,
+    build_decoder_encoder,
+    build_encoder,
+    is_encoder_config,
+)
+from runtime.models.bert import classification_labels
+from runtime.text import PairPrompt, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +98,8 @@ class LoadedEncoder:
     pooling: Pooling | None = None  # EMBED
     activation: ScoreActivation = ScoreActivation.SIGMOID  # SCORE
     lowercase: bool = False  # sentence-transformers' do_lower_case
+    # SCORE by a decoder: a pair is one prompt (no token types); None: tokenizer pairs
+    pair_prompt: PairPrompt | None = None
     load_seconds: float = 0.0
     quantized: bool = False
     vision: None = None  # an encoder reads text only
@@ -104,7 +126,7 @@ def is_encoder(source: str | Path) -> bool:
     GGUF file of one."""
     path = Path(source).expanduser()
     if path.is_file():
-        return is_gguf_encoder(path)
+        return is_gguf_encoder(path) or is_gguf_decoder_encoder(path)
     file = path / "config.json"
     if not file.is_file():
         return False
@@ -112,7 +134,9 @@ def is_encoder(source: str | Path) -> bool:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and is_encoder_config(config)
+    if not isinstance(config, dict):
+        return False
+    return is_encoder_config(config) or decoder_head(path, config) is not None
 
 
 def load_encoder(source: str | Path, *, dtype: str | None = None) -> LoadedEncoder:
@@ -132,9 +156,12 @@ def load_encoder(source: str | Path, *, dtype: str | None = None) -> LoadedEncod
 
 
 def _with_weights(
-    config: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype
+    config: dict[str, Any],
+    weights: dict[str, mx.array],
+    dtype: mx.Dtype,
+    model: EncoderModel | None = None,
 ) -> EncoderModel:
-    model = build_encoder(config)
+    model = build_encoder(config) if model is None else model
     weights = {
         k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()
     }
@@ -145,12 +172,19 @@ def _with_weights(
 
 
 def _from_gguf(path: Path, dtype_name: str, dtype: mx.Dtype) -> LoadedEncoder:
+    if is_gguf_decoder_encoder(path):
+        return _from_decoder_gguf(path, dtype_name, dtype)
     parts = read_gguf_encoder(path)
     weights = {name: mx.array(value) for name, value in parts.weights.items()}
     model = _with_weights(parts.config, weights, dtype)
     tokenizer = parts.tokenizer
     tokenizer.hf.no_truncation()
     tokenizer.hf.no_padding()
+    if parts.pooling is None:  # a cross-encoder
+        return LoadedEncoder(
+            model, tokenizer, parts.config, EncoderTask.SCORE, model.args.max_positions,
+            path.stem, path, dtype_name, activation=_activation(parts.config, model.args.num_labels),
+        )  # fmt: skip
     return LoadedEncoder(
         model, tokenizer, parts.config, EncoderTask.EMBED, model.args.max_positions, path.stem,
         path, dtype_name, pooling=parts.pooling,
@@ -161,6 +195,9 @@ def _from_folder(folder: Path, dtype_name: str, dtype: mx.Dtype) -> LoadedEncode
     config = _read_json(folder / "config.json")
     if config is None:
         raise FileNotFoundError(f"{folder} has no config.json")
+    head = decoder_head(folder, config)
+    if head is not None:
+        return _from_decoder_folder(folder, config, head, dtype_name, dtype)
     model = _with_weights(config, _read_weights(folder), dtype)
     tokenizer = Tokenizer.from_folder(folder)
     tokenizer.hf.no_truncation()
@@ -172,6 +209,50 @@ def _from_folder(folder: Path, dtype_name: str, dtype: mx.Dtype) -> LoadedEncode
             activation=_activation(config, model.args.num_labels),
         )  # fmt: skip
     return _embedding(folder, model, tokenizer, config, limit, dtype_name)
+
+
+def _from_decoder_folder(
+    folder: Path, config: dict[str, Any], head: DecoderHead, dtype_name: str, dtype: mx.Dtype
+) -> LoadedEncoder:
+    """A Qwen3 embedding model or reranker folder (runtime/load/decoder_encoder.py)."""
+    tokenizer = Tokenizer.from_folder(folder)
+    tokenizer.hf.no_truncation()
+    tokenizer.hf.no_padding()
+    built = build_decoder_encoder(
+        config, head, labels=classification_labels(config),
+        answer_ids=answer_ids(tokenizer) if head is DecoderHead.YES_NO else None,
+    )  # fmt: skip
+    model = _with_weights(config, _read_weights(folder), dtype, built)
+    limit = _default_limit(folder, model)
+    if head is DecoderHead.NONE:
+        with_final_eos(tokenizer)
+        return _embedding(folder, model, tokenizer, config, limit, dtype_name)
+    return LoadedEncoder(
+        model, tokenizer, config, EncoderTask.SCORE, limit, folder.name, folder, dtype_name,
+        activation=_activation(config, model.args.num_labels), pair_prompt=RERANKER_PROMPT,
+    )  # fmt: skip
+
+
+def _from_decoder_gguf(path: Path, dtype_name: str, dtype: mx.Dtype) -> LoadedEncoder:
+    parts = read_gguf_decoder_encoder(path)
+    tokenizer = parts.tokenizer
+    tokenizer.hf.no_truncation()
+    tokenizer.hf.no_padding()
+    yes_no = answer_ids(tokenizer) if parts.head is DecoderHead.YES_NO else None
+    built = build_decoder_encoder(parts.config, parts.head, answer_ids=yes_no)
+    weights = {name: mx.array(value) for name, value in parts.weights.items()}
+    model = _with_weights(parts.config, weights, dtype, built)
+    limit = model.args.max_positions
+    if parts.pooling is None:
+        return LoadedEncoder(
+            model, tokenizer, parts.config, EncoderTask.SCORE, limit, path.stem, path,
+            dtype_name, pair_prompt=RERANKER_PROMPT,
+        )  # fmt: skip
+    with_final_eos(tokenizer)
+    return LoadedEncoder(
+        model, tokenizer, parts.config, EncoderTask.EMBED, limit, path.stem, path, dtype_name,
+        pooling=parts.pooling,
+    )  # fmt: skip
 
 
 def _embedding(

@@ -107,6 +107,7 @@ def load(
     keep_quantized: bool | None = None,
     quantize: QuantizeSpec | None = None,
     shard: ShardHook | None = None,
+    mtp: bool = False,
 ) -> LoadedModel:
     """Load a HF folder, an MLX-quantized folder or a GGUF file (see module docstring).
 
@@ -116,15 +117,24 @@ def load(
     quantized where quantized matmuls are fast; True also keeps MoE experts quantized on
     the CPU). ``quantize``: quantize a float source's weights at load (`--quantize`).
     ``shard``: runs on the loaded, not yet evaluated model (see ShardHook).
+    ``mtp``: keep the multi-token-prediction layer (`--speculative mtp`; a folder's
+    only: runtime/models/mtp.py), a ValueError naming the model where it has none.
     """
     path = Path(source).expanduser()
     precision = Precision.choose(keep_quantized, quantize)
     started = time.perf_counter()
     gguf = _gguf_file(path)
+    if gguf is not None and mtp:
+        raise ValueError(f"{path.name}: --speculative mtp drafts from safetensors folders only")
     if gguf is not None:
         loaded = load_gguf(gguf, dtype, precision, shard)
     elif path.is_dir():
-        loaded = _load_folder(path, dtype, precision, shard)
+        try:
+            loaded = _load_folder(path, dtype, precision, shard, mtp)
+        except ValueError as exc:
+            if not mtp or "--speculative mtp" not in str(exc):
+                raise
+            raise ValueError(f"{path.name}: {exc}") from None
     elif path.exists():
         raise ValueError(f"{path}: expected a model folder or a .gguf file")
     else:
@@ -250,7 +260,11 @@ def _without_vision(config: dict[str, Any], weights: Mapping[str, mx.array]) -> 
 
 
 def _load_folder(
-    folder: Path, dtype: str | None, precision: Precision, shard: ShardHook | None = None
+    folder: Path,
+    dtype: str | None,
+    precision: Precision,
+    shard: ShardHook | None = None,
+    mtp: bool = False,
 ) -> LoadedModel:
     config = _read_config(folder)
     check_quant_method(config)
@@ -269,7 +283,7 @@ def _load_folder(
     if fp8_format is not None:
         weights, quant = _decode_fp8(weights, stored, fp8_format, mx_dtype, precision)
         fmt = f"fp8-q8g{quant['group_size']}" if quant is not None else fmt
-    model = build_model(_without_vision(config, weights))
+    model = build_model(_without_vision(config, weights), mtp=mtp)
     modules: dict[str, dict[str, Any]] = {}
     if quant is not None and not precision.keep_quantized:
         weights = dequantize_all(weights, quant, mx_dtype)

@@ -10,7 +10,10 @@ from typing import Any
 from runtime.models.base import ArgsLike, LanguageModel
 from runtime.models.encoder import EncoderArgs, EncoderModel
 from runtime.models.linear import choose_small_gemm
+from runtime.models.mtp import keeping_mtp, mtp_layers
 from runtime.models.pooling import Pooling, PoolingMode, normalized, pool
+from runtime.models.qwen3_embed import Head as DecoderHead
+from runtime.models.qwen3_embed import build as build_decoder_encoder
 
 # model_type -> module under runtime.models (several types may share one module)
 _ARCHITECTURES: Mapping[str, str] = MappingProxyType(
@@ -43,19 +46,35 @@ _VISION_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
 # model_type -> module, for bidirectional encoders (embedding models, cross-encoders):
 # runtime.models.encoder.EncoderModel, built by build_encoder
 _ENCODER_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
-    {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "camembert": "bert"}
+    {
+        "bert": "bert",
+        "roberta": "bert",
+        "xlm-roberta": "bert",
+        "camembert": "bert",
+        "modernbert": "modernbert",
+    }
 )
+# encoders whose modeling code lives in the checkpoint's own repository (trust_remote_code
+# in transformers): recognised, so that loading one says so by name
+_REMOTE_CODE_ENCODERS: Mapping[str, str] = MappingProxyType({"nomic_bert": "nomic-bert"})
 
 
 def is_encoder_config(config: Mapping[str, Any]) -> bool:
     """Whether config.json describes an encoder (served for embeddings or scores)."""
-    return str(config.get("model_type")) in _ENCODER_ARCHITECTURES
+    model_type = str(config.get("model_type"))
+    return model_type in _ENCODER_ARCHITECTURES or model_type in _REMOTE_CODE_ENCODERS
 
 
 def build_encoder(config: Mapping[str, Any]) -> EncoderModel:
     """An encoder with uninitialised weights for a HF config dict (see build_model)."""
     model_type = str(config.get("model_type"))
     module_name = _ENCODER_ARCHITECTURES.get(model_type)
+    if model_type in _REMOTE_CODE_ENCODERS:
+        raise ValueError(
+            f"the {_REMOTE_CODE_ENCODERS[model_type]} architecture (model_type {model_type!r}) "
+            "is not supported: its modeling code ships with the checkpoint (remote code), "
+            "not with transformers"
+        )
     if module_name is None:
         known = ", ".join(sorted(_ENCODER_ARCHITECTURES))
         raise ValueError(f"unsupported encoder model_type {model_type!r}; supported: {known}")
@@ -68,8 +87,9 @@ def supported_model_types() -> list[str]:
     return sorted(_ARCHITECTURES)
 
 
-def build_model(config: Mapping[str, Any]) -> LanguageModel:
-    """A model with uninitialised (random) weights for a HF config dict.
+def build_model(config: Mapping[str, Any], *, mtp: bool = False) -> LanguageModel:
+    """A model with uninitialised (random) weights for a HF config dict; `mtp`: with its
+    multi-token-prediction layer (runtime/models/mtp.py; a ValueError where it has none).
 
     Load weights with ``model.load_weights(list(model.sanitize(weights).items()))``.
     """
@@ -83,6 +103,8 @@ def build_model(config: Mapping[str, Any]) -> LanguageModel:
         module_name = _VISION_ARCHITECTURES.get(str(model_type), module_name)
     module = importlib.import_module(f"runtime.models.{module_name}")
     args = module.ModelArgs.from_config(config)
+    if mtp:
+        args = keeping_mtp(args)
     model: LanguageModel = module.Model(args)
     choose_small_gemm(model)  # by the shapes; the loader chooses again once sharded
     return model
@@ -90,14 +112,17 @@ def build_model(config: Mapping[str, Any]) -> LanguageModel:
 
 __all__ = [
     "ArgsLike",
+    "DecoderHead",
     "EncoderArgs",
     "EncoderModel",
     "LanguageModel",
     "Pooling",
     "PoolingMode",
+    "build_decoder_encoder",
     "build_encoder",
     "build_model",
     "is_encoder_config",
+    "mtp_layers",
     "normalized",
     "pool",
     "supported_model_types",

@@ -8,7 +8,8 @@ sigmoid scores, `e_score_correction_bias` for the choice, group-limited top k
 `n_shared_experts` always-on experts (runtime/models/moe.py).
 
 Checkpoints may carry multi-token-prediction layers after the last decoder layer
-(index >= num_hidden_layers); serving does not use them, so `sanitize` drops them.
+(index >= num_hidden_layers): `sanitize` drops them, unless the model was built to draft
+with the first one (`keep_mtp`, `--speculative mtp`: runtime/models/mtp.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from runtime.models.base import MLP, CausalLM, config_float, config_int
 from runtime.models.decoder import LayerStack, PreNormBlock, decoder_weights
 from runtime.models.mla import MLAConfig, MultiLatentAttention, fuse_absorbed_weights, make_rope
 from runtime.models.moe import SIGMOID, Routing, SparseMoE, stack_experts
+from runtime.models.mtp import MTPHead, check_mtp_weights, mtp_layers, rename_nextn
 from runtime.models.rope import RoPE
 
 
@@ -51,6 +53,8 @@ class ModelArgs:
     routed_scaling_factor: float = 2.5
     first_k_dense_replace: int = 3
     moe_layer_freq: int = 1
+    mtp_layers: int = 0  # the checkpoint's MTP layers (num_nextn_predict_layers)
+    keep_mtp: bool = False  # build and load the first one (runtime/models/mtp.py)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Self:
@@ -87,6 +91,7 @@ class ModelArgs:
                 config, "first_k_dense_replace", d.first_k_dense_replace
             ),
             moe_layer_freq=config_int(config, "moe_layer_freq", d.moe_layer_freq),
+            mtp_layers=mtp_layers(config),
         )
 
     def is_sparse(self, index: int) -> bool:
@@ -137,13 +142,27 @@ class Model(CausalLM):
     def __init__(self, args: ModelArgs) -> None:
         rope = make_rope(args.mla)
         super().__init__(args, LayerStack(args, lambda i: DecoderLayer(args, rope, i)))
+        if args.keep_mtp:  # the layer after the decoder's last, MoE as they are
+            block = DecoderLayer(args, rope, args.num_layers)
+            self.mtp = MTPHead(args.hidden_size, args.rms_norm_eps, block, pass_normed=False)
 
     def make_caches(self) -> list[Cache]:
         """One latent cache per layer: every layer is MLA over the whole context."""
         return [LatentCache() for _ in range(self.args.num_layers)]
 
+    def mtp_head(self) -> MTPHead | None:
+        return self.mtp if self.args.keep_mtp else None
+
+    def mtp_cache(self) -> Cache:
+        return LatentCache()
+
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """HF names -> parameter names: MTP layers dropped, experts stacked (per-expert,
-        fused or already stacked layouts all load), mlx-lm's split kv_b_proj re-fused."""
-        kept = fuse_absorbed_weights(decoder_weights(weights, self.args.num_layers), self.args.mla)
-        return self._drop_tied_head(stack_experts(kept, self.args.n_routed_experts))
+        """HF names -> parameter names: MTP layers dropped (the first kept with
+        `keep_mtp`), experts stacked (per-expert, fused or already stacked layouts all
+        load), mlx-lm's split kv_b_proj re-fused."""
+        args = self.args
+        named = rename_nextn(weights, args.num_layers, keep=args.keep_mtp)
+        if args.keep_mtp:
+            check_mtp_weights(named, args.model_type)
+        kept = fuse_absorbed_weights(decoder_weights(named, args.num_layers), args.mla)
+        return self._drop_tied_head(stack_experts(kept, args.n_routed_experts))

@@ -4,8 +4,9 @@ dense, the rest sparse MoE with sigmoid grouped routing (``e_score_correction_bi
 ``n_group``/``topk_group``, ``routed_scaling_factor``) plus always-on shared experts.
 
 The checkpoints carry ``num_nextn_predict_layers`` multi-token-prediction layers after
-the last decoder layer (``model.layers.<num_hidden_layers>...``); they are only for
-speculative decoding and are dropped on load.
+the last decoder layer (``model.layers.<num_hidden_layers>...``), DeepSeek's layout: they
+are dropped on load, unless the model drafts with the first one (`keep_mtp`,
+`--speculative mtp`: runtime/models/mtp.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from runtime.cache import Cache, KVCache
 from runtime.models.base import (
     FULL_ATTENTION,
     MLP,
@@ -31,6 +33,7 @@ from runtime.models.decoder import (
     make_attention,
 )
 from runtime.models.moe import SIGMOID, Routing, SparseMoE, stack_experts
+from runtime.models.mtp import MTPHead, check_mtp_weights, mtp_layers, rename_nextn
 from runtime.models.rope import RoPE, parse_rope
 
 
@@ -54,6 +57,8 @@ class ModelArgs(DecoderShape):
     first_k_dense_replace: int
     routing: Routing
     sliding_window: int | None = None
+    mtp_layers: int = 0  # the checkpoint's MTP layers (num_nextn_predict_layers)
+    keep_mtp: bool = False  # build and load the first one (runtime/models/mtp.py)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelArgs:
@@ -93,6 +98,7 @@ class ModelArgs(DecoderShape):
             ),
             rope=parse_rope(config),
             layer_types=(FULL_ATTENTION,) * layers,
+            mtp_layers=mtp_layers(config),
         )
 
 
@@ -129,8 +135,22 @@ class Model(CausalLM):
         # mx.fast.rope rotates the first rotary_dim features of each head, rest unchanged
         rope = RoPE(args.rope, args.rotary_dim)
         super().__init__(args, LayerStack(args, lambda i: DecoderLayer(args, rope, i)))
+        if args.keep_mtp:  # the layer after the decoder's last (sparse, as they are)
+            block = DecoderLayer(args, rope, args.num_layers)
+            self.mtp = MTPHead(args.hidden_size, args.rms_norm_eps, block, pass_normed=False)
+
+    def mtp_head(self) -> MTPHead | None:
+        return self.mtp if self.args.keep_mtp else None
+
+    def mtp_cache(self) -> Cache:
+        return KVCache()
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Drop the MTP layers, stack per-expert (or fused) weights into `switch_mlp`."""
-        kept = decoder_weights(weights, self.args.num_layers)
-        return self._drop_tied_head(stack_experts(kept, self.args.n_routed_experts))
+        """Drop the MTP layers (the first kept with `keep_mtp`), stack per-expert (or
+        fused) weights into `switch_mlp`."""
+        args = self.args
+        named = rename_nextn(weights, args.num_layers, keep=args.keep_mtp)
+        if args.keep_mtp:
+            check_mtp_weights(named, args.model_type)
+        kept = decoder_weights(named, args.num_layers)
+        return self._drop_tied_head(stack_experts(kept, args.n_routed_experts))

@@ -16,10 +16,15 @@ config nests and how its delta-net projections are laid out.
   mlp_only_layers; dense (intermediate_size) otherwise.
 
 Caches: RecurrentCache for delta-net layers, KVCache for attention layers.
+
+The multi-token-prediction layer (``mtp.*``: a full-attention layer, MoE as layer 0 is)
+is dropped on load, unless the model drafts with it (`keep_mtp`, `--speculative mtp`:
+runtime/models/mtp.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -41,6 +46,7 @@ from runtime.models.decoder import DecoderShape, LayerStack, given_layer_types
 from runtime.models.gated_delta import DeltaNetDims, GatedDeltaNet
 from runtime.models.linear import Linear
 from runtime.models.moe import Routing, SparseMoE, stack_experts
+from runtime.models.mtp import MTPHead, check_mtp_weights, mtp_layers, rename_qwen_mtp
 from runtime.models.rope import Positions, RoPE, parse_rope
 
 LINEAR_ATTENTION = "linear_attention"
@@ -103,6 +109,8 @@ class ModelArgs(DecoderShape):
     shared_expert_intermediate_size: int
     norm_topk_prob: bool
     sparse_layers: tuple[bool, ...]
+    mtp_layers: int = 0  # the checkpoint's MTP layers (mtp_num_hidden_layers)
+    keep_mtp: bool = False  # build and load the first one (runtime/models/mtp.py)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ModelArgs:
@@ -158,6 +166,7 @@ class ModelArgs(DecoderShape):
             shared_expert_intermediate_size=config_int(text, "shared_expert_intermediate_size", 0),
             norm_topk_prob=bool(text.get("norm_topk_prob", True)),
             sparse_layers=sparse,
+            mtp_layers=mtp_layers(text),
         )
 
 
@@ -288,10 +297,14 @@ def sanitize_hybrid(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, 
     """Text-model names (``model.``, ``lm_head.``) -> parameters. Idempotent: the loader
     may run it twice (quantized folders)."""
     hf = _from_hf_layout(weights)
+    # the multi-token-prediction head: dropped unless kept to draft with
+    weights = rename_qwen_mtp(weights, keep=args.keep_mtp, unit_offset=lambda _: hf)
+    if args.keep_mtp:
+        check_mtp_weights(weights, args.model_type)
     out: dict[str, mx.array] = {}
     for name, value in weights.items():
-        if name.startswith("mtp.") or "rotary_emb.inv_freq" in name:
-            continue  # the multi-token-prediction head is not used for decoding
+        if "rotary_emb.inv_freq" in name:
+            continue
         if hf and name.endswith("conv1d.weight"):
             value = value.swapaxes(1, 2)
         elif hf and (name.endswith(_UNIT_OFFSET_NORMS) or name == _FINAL_NORM):
@@ -307,6 +320,18 @@ class Model(CausalLM):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args, LayerStack(args, lambda i: HybridLayer(args, i)))
+        if args.keep_mtp:  # one full-attention layer, sparse as layer 0 is
+            one = dataclasses.replace(
+                args, layer_types=(FULL_ATTENTION,), sparse_layers=args.sparse_layers[:1]
+            )
+            block = HybridLayer(one, 0)
+            self.mtp = MTPHead(args.hidden_size, args.rms_norm_eps, block, pass_normed=True)
+
+    def mtp_head(self) -> MTPHead | None:
+        return self.mtp if self.args.keep_mtp else None
+
+    def mtp_cache(self) -> Cache:
+        return KVCache()
 
     def make_caches(self) -> list[Cache]:
         """RecurrentCache for delta-net layers, KVCache for attention layers.

@@ -15,6 +15,7 @@ from runtime.text.constraints import (
 )
 from runtime.text.detokenizer import DetokenizerTable, StreamingDetokenizer
 from runtime.text.encoding import EncoderTokenizer, TextTokens, longest_first
+from runtime.text.pair_prompt import PairPrompt
 from runtime.text.sampling import (
     Sampler,
     SampleResult,
@@ -30,6 +31,7 @@ __all__ = [
     "DetokenizerTable",
     "EncoderTokenizer",
     "GrammarVocabulary",
+    "PairPrompt",
     "SampleResult",
     "Sampler",
     "StopMatcher",

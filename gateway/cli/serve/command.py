@@ -126,6 +126,11 @@ def model_registry(args: argparse.Namespace, settings: EngineSettings) -> ModelR
     budget = args.memory_budget or default_memory_budget()
     specs = serve_models.model_specs(configs, settings, budget)
     try:
-        return ModelRegistry(specs, keep_alive=args.keep_alive, memory_budget=budget)
+        return ModelRegistry(
+            specs,
+            keep_alive=args.keep_alive,
+            memory_budget=budget,
+            encoder_share=args.encoder_share,
+        )
     except ValueError as exc:  # two models answering to one name
         raise CliError(str(exc)) from None

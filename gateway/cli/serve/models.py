@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import math
 import sys
@@ -56,6 +57,7 @@ from gateway.core.models import (
 )
 from gateway.core.settings import QUANTIZE_GROUPS, EngineSettings
 from runtime.load import check_quantize, is_encoder, load, load_encoder
+from runtime.models import mtp_layers
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -303,16 +305,32 @@ def _drafting(cfg: ModelConfig, path: Path, settings: EngineSettings) -> dict[st
     """The model's speculative mode and draft model (its config's draft_model, else
     --draft-model), refused at startup unless the draft's tokenizer is the model's."""
     if is_encoder(path):
-        return {"speculative": "off" if settings.draft_model else settings.speculative,
+        off = settings.draft_model or settings.speculative == "mtp"
+        return {"speculative": "off" if off else settings.speculative,
                 "draft_model": None}  # fmt: skip
     draft = resolve(cfg.draft_model)[0] if cfg.draft_model else settings.draft_model
     if draft is None:
+        if settings.speculative == "mtp":
+            _check_mtp(cfg, path)
         return {"speculative": settings.speculative, "draft_model": None}
     try:
         check_draft_tokenizer(path, draft)
     except (ValueError, OSError) as exc:
         raise CliError(f"{cfg.source}: draft model {draft}: {exc}") from None
     return {"speculative": "draft", "draft_model": draft}
+
+
+def _check_mtp(cfg: ModelConfig, path: Path) -> None:
+    """--speculative mtp on a model whose config names no multi-token-prediction layer
+    fails at startup, naming it."""
+    config = path / "config.json"
+    layers = mtp_layers(json.loads(config.read_text())) if config.is_file() else 0
+    if not layers:
+        raise CliError(
+            f"{cfg.source}: --speculative mtp drafts with a model's multi-token-prediction "
+            "layer, and this model has none (DeepSeek-V3, GLM-4.x, Qwen3-Next and Qwen3.5 "
+            "checkpoints ship one); choose --speculative lookup, trie or draft"
+        )
 
 
 def _check_quantize(path: Path, settings: EngineSettings) -> None:
@@ -332,7 +350,8 @@ def _builder(
     def build() -> ServedModel:
         if is_encoder(path):
             return _build_encoder(path, model_id, cfg, settings)
-        loaded = load(path, quantize=weight_quantization(settings))
+        mtp = settings.speculative == "mtp"  # its MTP layer, kept only to draft with
+        loaded = load(path, quantize=weight_quantization(settings), mtp=mtp)
         if cfg.context_length is not None:
             if cfg.context_length > loaded.context_length:
                 log.warning(

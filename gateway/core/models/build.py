@@ -58,13 +58,15 @@ def build_served(
     if isinstance(loaded, LoadedModel):
         model = loaded
     else:
-        model = load(path, quantize=weight_quantization(settings))
+        # the MTP layer's weights are kept only when they draft (and then count in the budget)
+        mtp = settings.speculative == "mtp" and make_runner is None
+        model = load(path, quantize=weight_quantization(settings), mtp=mtp)
     renderer, caps = _renderer_and_caps(model, settings, model_id)
     # a distributed group never drafts (its ranks step in lockstep): no draft model there
     drafting = settings.draft_model is not None and make_runner is None
-    speculative = (
-        "off" if settings.speculative == "draft" and not drafting else settings.speculative
-    )
+    speculative = settings.speculative
+    if (speculative == "draft" and not drafting) or (speculative == "mtp" and not _has_mtp(model)):
+        speculative = "off"  # (a distributed group, or a model loaded elsewhere)
     base = RunnerSettings(
         prefill_chunk=settings.prefill_chunk,
         snapshot_interval=settings.snapshot_interval,
@@ -95,6 +97,12 @@ def build_served(
         image_policy=ImagePolicy(allow_private=settings.allow_private_urls),
         controls=model_controls(model),
     )
+
+
+def _has_mtp(model: LoadedModel) -> bool:
+    """Whether the model was loaded with its multi-token-prediction layer."""
+    head = getattr(model.model, "mtp_head", None)
+    return callable(head) and head() is not None
 
 
 def _draft(settings: EngineSettings, model: LoadedModel, model_id: str) -> LoadedModel:

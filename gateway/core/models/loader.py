@@ -19,6 +19,7 @@ from gateway.core.models.memory import release_memory, served_bytes
 from gateway.core.models.served import ServedModel
 from gateway.core.models.slots import SHUTTING_DOWN, Slot, Slots
 from gateway.core.models.status import ModelFacts, ModelState, added_stats
+from gateway.core.settings import DEFAULT_ENCODER_SHARE
 from runtime.backend import release_thread_streams
 from runtime.engine import Turns
 
@@ -28,12 +29,20 @@ log = logging.getLogger(__name__)
 class Loader:
     """Loads a slot's model (making room under `budget` first) and unloads it."""
 
-    def __init__(self, slots: Slots, budget: int) -> None:
+    def __init__(
+        self, slots: Slots, budget: int, encoder_share: float = DEFAULT_ENCODER_SHARE
+    ) -> None:
         self._slots = slots
         self.eviction = Eviction(slots, budget, self.unload)
         self._threads: set[threading.Thread] = set()
         # the models' engines share the cores: chat steps first, encoders between them
-        self.turns = Turns()
+        # with `encoder_share` of the time; 1: no turns (they compute at once)
+        if not 0.0 < encoder_share <= 1.0:
+            raise ValueError(
+                f"the encoder's share of the cores must be above 0 and at most 1, got "
+                f"{encoder_share}"
+            )
+        self.turns = Turns(encoder_share) if encoder_share < 1.0 else None
 
     def load(self, slot: Slot) -> concurrent.futures.Future[ServedModel]:
         """A future of the loaded model; every caller waiting on one load shares it."""
@@ -90,7 +99,8 @@ class Loader:
             started = time.perf_counter()
             log.info("loading %s", spec.id)
             served = spec.build()
-            served.engine.take_turns(self.turns)
+            if self.turns is not None:
+                served.engine.take_turns(self.turns)
             served.engine.start()
             served.engine.watch()  # fails and restarts a dead or stalled worker
         except BaseException as exc:

@@ -24,6 +24,7 @@ from gateway.core.models.served import ServedModel
 from gateway.core.models.slots import Lease, Slots
 from gateway.core.models.spec import ModelSpec
 from gateway.core.models.status import ModelState, ModelStatus
+from gateway.core.settings import DEFAULT_ENCODER_SHARE
 
 DEFAULT_KEEP_ALIVE_S = 1800.0
 
@@ -37,10 +38,11 @@ class ModelRegistry:
         *,
         keep_alive: float = DEFAULT_KEEP_ALIVE_S,
         memory_budget: int | None = None,
+        encoder_share: float = DEFAULT_ENCODER_SHARE,
     ) -> None:
         self._slots = Slots(specs)
         budget = default_memory_budget() if memory_budget is None else memory_budget
-        self._loader = Loader(self._slots, budget)
+        self._loader = Loader(self._slots, budget, encoder_share)
         self._reaper = Reaper(self._slots, keep_alive, self._loader.unload)
 
     @classmethod

@@ -1,13 +1,25 @@
-"""A BERT embedding model from a GGUF file, as llama.cpp's convert_hf_to_gguf.py writes
-one (`general.architecture` bert): its HF config, its weights under transformers' names,
-its WordPiece tokenizer (runtime/load/gguf/tokenizer.py) and its pooling
-(`bert.pooling_type`: mean, CLS or last token).
+"""A BERT encoder from a GGUF file, as llama.cpp's convert_hf_to_gguf.py writes one
+(`general.architecture` bert): its HF config, its weights under transformers' names,
+its WordPiece tokenizer (runtime/load/gguf/tokenizer.py) and what it computes: an
+embedding model's pooling (`bert.pooling_type`: mean, CLS or last token), or a
+cross-encoder's classification head.
 
 What the file does not say is chosen as llama.cpp's server does: the embeddings are
 normalized (its default, and what the sentence-transformers models converted this way
 do), and an input may hold the model's positions (`bert.context_length`), not
 sentence-transformers' max_seq_length, which the converter does not write (a config's
-context_length lowers it). A cross-encoder (pooling type rank) is not read from GGUF.
+context_length lowers it).
+
+A cross-encoder is told by its head: the converter writes a *ForSequenceClassification's
+labels (`bert.classifier.output_labels`) and its head as `cls` (a dense layer, tanh after
+it) and `cls.output` (the projection to the labels); llama.cpp runs it under pooling type
+rank, which the converter does not write for bert (a file may say it). A RoBERTa or
+XLM-RoBERTa head (classifier.dense, classifier.out_proj) keeps both, which is BERT's
+pooler and classifier in our model (runtime/models/bert.py), so its scores are the
+transformers model's. A BertForSequenceClassification loses its pooler in the converter
+(it is dropped as an embedding model's unused one), leaving `cls.output` alone: llama.cpp
+then scores the [CLS] state without the pooler's dense and tanh, which is not the model
+any more, so such a file is refused with the way out (its HF folder).
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tokenizers import processors
 
 from runtime.load.gguf.quants import dequantize
 from runtime.load.gguf.reader import GGUFFile
@@ -29,6 +42,8 @@ ENCODER_ARCHITECTURES = frozenset({"bert"})
 # llama.cpp's enum llama_pooling_type
 _POOLING = {1: PoolingMode.MEAN, 2: PoolingMode.CLS, 3: PoolingMode.LAST}
 _POOLING_NAMES = {0: "none", 4: "rank"}
+_RANK = 4
+_LABELS_KEY = "classifier.output_labels"
 _TOP = {
     "token_embd": "embeddings.word_embeddings",
     "position_embd": "embeddings.position_embeddings",
@@ -45,6 +60,8 @@ _LAYER = {
     "ffn_down": "output.dense",
     "layer_output_norm": "output.LayerNorm",
 }
+# a cross-encoder's head, as runtime/models/bert.py's BertHead reads it
+_HEAD = {"cls": "pooler.dense", "cls.output": "classifier"}
 _STRING = 8  # GGUF's metadata value type for a string
 
 
@@ -53,7 +70,7 @@ class GGUFEncoder:
     config: dict[str, Any]  # as config.json would have it
     weights: dict[str, np.ndarray]  # transformers' names, float32
     tokenizer: Tokenizer
-    pooling: Pooling
+    pooling: Pooling | None  # None: a cross-encoder (config's num_labels outputs)
 
 
 def gguf_architecture(path: Path) -> str | None:
@@ -99,22 +116,63 @@ def is_gguf_encoder(path: Path) -> bool:
 
 
 def read_gguf_encoder(path: Path) -> GGUFEncoder:
-    """The parts of a GGUF embedding model (see the module docstring)."""
+    """The parts of a GGUF embedding model or cross-encoder (see the module docstring)."""
     gf = GGUFFile(path)
     if gf.architecture not in ENCODER_ARCHITECTURES:
         raise ValueError(f"{path}: a {gf.architecture!r} GGUF is not an encoder")
     kind = int(gf.arch_get("pooling_type", 1))
-    if kind not in _POOLING:
+    labelled = gf.arch_get(_LABELS_KEY) is not None
+    scores = kind == _RANK or labelled or "cls.output.weight" in gf.tensors
+    if not scores and kind not in _POOLING:
         name = _POOLING_NAMES.get(kind, str(kind))
         raise ValueError(
-            f"{path}: pooling type {name!r} is not served from GGUF (mean, CLS and last "
-            "token are); serve the model's HF folder instead"
+            f"{path}: pooling type {name!r} is not served from GGUF (mean, CLS, last token "
+            "and a cross-encoder's rank are); serve the model's HF folder instead"
         )
     weights = _weights(gf, int(gf.arch_get("block_count")))
     config = _config(gf, weights)
-    return GGUFEncoder(
-        config, weights, tokenizer_from_gguf(gf), Pooling((_POOLING[kind],), normalize=True)
-    )
+    tokenizer = _tokenizer(gf)
+    if scores:
+        config.update(_head(path, gf, weights))
+        return GGUFEncoder(config, weights, tokenizer, None)
+    return GGUFEncoder(config, weights, tokenizer, Pooling((_POOLING[kind],), normalize=True))
+
+
+def _tokenizer(gf: GGUFFile) -> Tokenizer:
+    """The file's tokenizer. A byte-level BPE one is a RoBERTa's (the WordPiece one brings
+    [CLS] and [SEP] itself): its inputs are framed as llama.cpp frames them, <s> text </s>
+    and a pair <s> query </s></s> document </s> (bos, eos, then sep = eos), all of token
+    type 0, which is RoBERTa's own template."""
+    tokenizer = tokenizer_from_gguf(gf)
+    bos, eos = gf.get("tokenizer.ggml.bos_token_id"), gf.get("tokenizer.ggml.eos_token_id")
+    if gf.get("tokenizer.ggml.model") == "gpt2" and bos is not None and eos is not None:
+        tokens = gf.get("tokenizer.ggml.tokens")
+        tokenizer.hf.post_processor = processors.RobertaProcessing(
+            (str(tokens[int(eos)]), int(eos)), (str(tokens[int(bos)]), int(bos)),
+            trim_offsets=False, add_prefix_space=False,
+        )  # fmt: skip
+    return tokenizer
+
+
+def _head(path: Path, gf: GGUFFile, weights: dict[str, np.ndarray]) -> dict[str, Any]:
+    """A cross-encoder's config keys; refused where the file cannot give its scores."""
+    if "classifier.weight" not in weights:
+        raise ValueError(
+            f"{path}: pooling type 'rank' scores with a classification head (cls.output), "
+            "and this file has none"
+        )
+    if "pooler.dense.weight" not in weights:
+        raise ValueError(
+            f"{path}: this cross-encoder's head is its classifier alone (cls.output without "
+            "cls): llama.cpp's converter leaves out a BertForSequenceClassification's pooler "
+            "(the dense layer and tanh its classifier reads), so no server can give the "
+            "model's scores from this file; serve the model's HF folder instead"
+        )
+    labels = int(weights["classifier.weight"].shape[0])
+    names = gf.arch_get(_LABELS_KEY)
+    if isinstance(names, list) and names and len(names) != labels:
+        raise ValueError(f"{path}: {len(names)} labels named for a head of {labels} outputs")
+    return {"architectures": ["BertForSequenceClassification"], "num_labels": labels}
 
 
 def _config(gf: GGUFFile, weights: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -151,6 +209,8 @@ def _hf_name(name: str, layers: int) -> str | None:
         return None
     if stem in _TOP:
         return f"{_TOP[stem]}.{part}"
+    if stem in _HEAD:
+        return f"{_HEAD[stem]}.{part}"
     parts = stem.split(".")
     if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
         return None

@@ -19,7 +19,12 @@ SOURCES = [
     *(
         KERNELS / name
         for name in (
-            "kernels.c", "quantized.c", "qdot.c", "qdot512.c", "pool.c", "rows.c",
+            "kernels.c",
+            "quantized.c",
+            "qdot.c",
+            "qdot512.c",
+            "pool.c",
+            "rows.c",
             "decode_attention.c",
         )
     ),
