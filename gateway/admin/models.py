@@ -46,6 +46,9 @@ def model_card(
                 "capabilities": dict(facts.capabilities),
             }
         )
+    task = facts.capabilities.get("task") if facts is not None else spec.task
+    if task is not None:
+        card["task"] = task  # "generate", "embed" or "rerank"
     card["aliases"] = list(spec.names[1:])
     card["loaded"] = status.state is ModelState.LOADED
     card["state"] = status.state.value

@@ -81,7 +81,11 @@ class LayeredChunk:
         assert h is not None
         for layer, cache in zip(self.body.layers[self.next : end], caches, strict=True):
             h = layer(h, cache)
-        mx.eval(h, [a for c in caches for a in c.state])
+        handed: list[mx.array] = []
+        sink = self.prefill.hidden_to  # the last layer's output, normed (PromptPrefill)
+        if sink is not None and end == len(self.body.layers):
+            handed = sink(self.prefill.offset, self.body.norm(h)[0])
+        mx.eval(h, [a for c in caches for a in c.state], handed)
         self.hidden, self.next = h, end
 
     def finish(self, on_pause: Callable[[int], None]) -> None:

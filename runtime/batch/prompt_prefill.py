@@ -7,12 +7,16 @@ after going past it: layers that rewind (KV caches) and recurrent layers asked t
 their states on the way (`RecurrentCache.capture`). Then the points inside the chunk
 cost no forward of their own: a hybrid model's follow-up turn, whose last messages hold
 a few snapshot points, reads its new tokens in one forward instead of one per point.
+
+`hidden_to`, when set (a row that drafts with the model's MTP head: runtime/batch/
+mtp.py), takes each text chunk's final hidden states and gives back arrays to evaluate
+with the chunk; otherwise the hidden states are never kept.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import mlx.core as mx
 
@@ -20,6 +24,10 @@ from runtime.batch.generate import CausalLM
 from runtime.cache import KVCache, QuantizedKVCache, RecurrentCache, reserve_prompt
 from runtime.prefix import Lease
 from runtime.vision.spans import PromptImages
+
+# (the chunk's first prompt position, its hidden states (n, D) after the final norm) ->
+# arrays evaluated with the chunk (runtime/batch/mtp.py `MTPLookup.prompt`)
+HiddenSink: TypeAlias = Callable[[int, mx.array], list[mx.array]]
 
 
 class PromptPrefill:
@@ -44,6 +52,7 @@ class PromptPrefill:
         if images is not None:
             self.marks = images.marks(self.marks)
         reserve_prompt(self.caches, len(prompt))
+        self.hidden_to: HiddenSink | None = None  # (module docstring)
 
     @property
     def done(self) -> bool:
@@ -79,8 +88,11 @@ class PromptPrefill:
         for c in self.caches:
             if isinstance(c, RecurrentCache):
                 c.capture(tuple(inside))
+        handed: list[mx.array] = []
         if self.images is None:
-            model.forward(mx.array(self.rest[:n], dtype=mx.int32)[None], self.caches)
+            hidden = model.forward(mx.array(self.rest[:n], dtype=mx.int32)[None], self.caches)
+            if self.hidden_to is not None:
+                handed = self.hidden_to(self.offset, hidden[0])
         else:
             self.images.forward(self.rest[:n], self.caches, self.offset)
         kept = [
@@ -90,7 +102,7 @@ class PromptPrefill:
             for s in c.captured.values()
             for a in s
         ]
-        mx.eval([a for c in self.caches for a in c.state], kept)
+        mx.eval([a for c in self.caches for a in c.state], kept, handed)
         for at in inside:
             on_pause(at)
         for c in self.caches:

@@ -161,17 +161,19 @@ class RunningBatch:
             out.append(self.model.logits(hidden[:, -1, :]))
         return out
 
-    def first_alone(self, seq: Seq, caches: list[Any], agree: Agree) -> None:
-        """`seq`'s first decode step, in a forward of its own (before it joins)."""
+    def first_alone(self, seq: Seq, caches: list[Any], agree: Agree) -> mx.array:
+        """`seq`'s first decode step, in a forward of its own (before it joins); the
+        prompt's last token's hidden state, (1, D) (an MTP head reads it)."""
         assert seq.input is not None
         hidden = decode_forward(self.model, seq.input.reshape(1, 1), caches, [seq.shift])
         mask = seq.matcher.mask() if seq.matcher is not None else None
         seq.unread = seq.sampler.sample(self.model.logits(hidden[:, -1, :]), mask)
         agree([seq])
         seq.input = seq.unread.token
-        mx.eval([*sample_arrays(seq.unread), *[a for c in caches for a in c.state]])
+        mx.eval([hidden, *sample_arrays(seq.unread), *[a for c in caches for a in c.state]])
         assert seq.prefill is not None
         seq.prefill.offset += 1
+        return hidden[0]
 
 
 def _copy(caches: Sequence[Any], fresh: list[Any]) -> list[Any]:

@@ -153,7 +153,7 @@ class Scheduler:
         self.pacing.settled = bool(rows) and rider is None and not prefilled  # a plain step
         self._count()
         if self.memory_bytes:  # the trie keeps what the batch, at its longest, leaves
-            self.prefix.set_limit(self.memory_bytes - self.running.projected())
+            self.prefix.set_limit(_budget(self) - self.running.projected())
         return done
 
     def abort(
@@ -191,6 +191,8 @@ class Scheduler:
             return None
         seq = self._queue[0]
         if seq.prefill is None or seq.prefill.images is not None or seq.handle.cancelled:
+            return None
+        if seq.prefill.hidden_to is not None:  # its chunks' hidden states feed an MTP head
             return None
         if self._rates()[0] <= 0 or any(r.shift for r in self.running.rows):
             return None
@@ -262,11 +264,12 @@ class Scheduler:
 
     def _prefill_step(self, start: float = 0.0) -> list[tuple[RequestHandle, Finished]]:
         seq = self._queue[0]
-        if seq.prefill is None and not self.running.fits(seq, self.memory_bytes):
+        if seq.prefill is None and not self.running.fits(seq, _budget(self)):
             return []  # waits (first in line) until running sequences free memory
         try:
             if seq.prefill is None:
                 self._trie.begin(seq, self.keeps_inside)
+                self.speculation.prefilling(seq, batched=self.running.batched)
             assert seq.prefill is not None
             if seq.handle.cancelled:
                 seq.out.progress.reason = FinishReason.CANCELLED
@@ -344,14 +347,14 @@ class Scheduler:
         alone = seq.prefill.offset == 0 or seq.out.max_tokens <= 1 or seq.prefill.offset > longest
         batched = self.running.batched
         if batched and alone:
-            self.running.first_alone(seq, caches, self._agree)
+            self.speculation.first_step(seq, self.running.first_alone(seq, caches, self._agree))
             if seq.read():  # it ended at its first token: it never joins
                 self._queue.popleft()
                 self._trie.end(seq)
                 return [(seq.handle, seq.finished())]
         self.running.join(seq, caches)  # copies them: the trie takes its live caches back
         if batched and self.speculation.drafts(seq.request):
-            self.speculation.start(seq)
+            self.speculation.start(seq, self.running)
         self._queue.popleft()
         self._trie.end(seq)
         if batched:  # the trie's copy of the prompt goes; the row's is the one
@@ -363,3 +366,12 @@ class Scheduler:
         batch row, or its caches waiting to go back to the trie (None: gone)."""
         state = self.running.views(seq)
         return state if state is not None else self._trie.kept_state(seq)
+
+
+def _budget(scheduler: Scheduler) -> int:
+    """The memory the batch's caches and the trie share: `memory_bytes` less what
+    drafting's own caches hold (an MTP head's, projected as the batch's are)."""
+    if not scheduler.memory_bytes:
+        return 0
+    rows = [*scheduler.running.rows, *scheduler.waiting()]
+    return max(1, scheduler.memory_bytes - scheduler.speculation.held_bytes(rows))

@@ -34,7 +34,8 @@ draft caches lag (a long prompt) catches up a bounded read a step, and meanwhile
 row drafts (`behind`): the others' accepted drafts would only be fed again each step.
 
 With the target's MTP head (runtime/batch/mtp.py) every step verifies: each hands the
-head the hidden states of the columns it committed (`observe_committed`).
+head the hidden states of the columns it committed (`observe_committed`); a row's
+prompt chunks hand theirs over as they are read (`prefilling`).
 """
 
 from __future__ import annotations
@@ -45,11 +46,11 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from runtime.batch.draft_model import DraftModel, ModelLookup, propose_all
+from runtime.batch.draft_model import DraftModel, ModelLookup
 from runtime.batch.drafts import MAX_DRAFT, SPECULATIVE_MODES, Draft, DraftTiming, Lookup
 from runtime.batch.generate import SampledToken, read_sampled
 from runtime.batch.history import SharedHistory
-from runtime.batch.mtp import MTPDrafter, MTPLookup, observe_committed
+from runtime.batch.mtp import MTPDrafter, MTPLookup, observe_committed, propose_every
 from runtime.batch.rejection import checked_tokens
 from runtime.batch.running import Agree, RunningBatch
 from runtime.batch.sequence import Seq
@@ -147,11 +148,36 @@ class Speculation:
             return request.speculative
         return self.enabled or bool(request.prediction)
 
-    def start(self, seq: Seq) -> None:
-        """Drafting state for a sequence joining the batch: its prompt and output so
-        far, and its prediction."""
+    def prefilling(self, seq: Seq, *, batched: bool) -> None:
+        """A sequence's prompt starts its prefill: with the MTP head (and a `batched`
+        running batch), the row's drafting state begins here, and the prefill hands it
+        each chunk's hidden states."""
+        if self.mtp is None or not batched or seq.images is not None or seq.prefill is None:
+            return
+        if self.drafts(seq.request):
+            lookup = self.mtp.start(seq)
+            seq.lookup, seq.prefill.hidden_to = lookup, lookup.prompt
+
+    def first_step(self, seq: Seq, hidden: mx.array) -> None:
+        """A sequence's first token was sampled alone: the hidden state (1, D) of its
+        prompt's last token, for its MTP head."""
+        if isinstance(seq.lookup, MTPLookup):
+            seq.lookup.observe(len(seq.out.progress.prompt) - 1, hidden)
+
+    def held_bytes(self, rows: list[Seq]) -> int:
+        """What drafting's caches of `rows` hold at their longest (an MTP head's), for
+        the scheduler's memory budget."""
+        return 0 if self.mtp is None else self.mtp.projected_bytes(rows)
+
+    def start(self, seq: Seq, batch: RunningBatch | None = None) -> None:
+        """Drafting state for a sequence joining `batch`: its prompt and output so far,
+        and its prediction. A row the MTP head drafts for verifies from its first step
+        on (a pipelined step would hand its first hidden state over to nobody)."""
         if self.mtp is not None and seq.images is None:
-            seq.lookup = self.mtp.start(seq)
+            if not isinstance(seq.lookup, MTPLookup):  # (else begun by `prefilling`)
+                seq.lookup = self.mtp.start(seq)
+            if batch is not None and _hands_hidden(batch.rows) and can_speculate(batch):
+                self.verifying = True
             return
         if self.model is not None and seq.images is None:
             try:
@@ -202,7 +228,7 @@ def can_speculate(batch: RunningBatch) -> bool:
 
 def _hands_hidden(rows: list[Seq]) -> bool:
     """Whether a row drafts with the MTP head (runtime/batch/mtp.py)."""
-    return any(isinstance(r.lookup, MTPLookup) for r in rows)
+    return any(isinstance(r.lookup, MTPLookup) and r.lookup.owner is not None for r in rows)
 
 
 def wants_drafts(batch: RunningBatch, stats: SpecStats) -> bool:
@@ -247,7 +273,7 @@ def plan_drafts(rows: list[Seq], stats: SpecStats) -> list[Draft]:
     first = 0 if behind(rows, stats) else _best_length(rows, room, stats)
     if first:
         asks = [_ask(r, min(first, n)) if n else 0 for r, n in zip(rows, room, strict=True)]
-        offers = propose_all([r.lookup for r in rows], asks)  # a draft model's, together
+        offers = propose_every([r.lookup for r in rows], asks)  # a model's rows together
     lengths = [min(len(d.tokens), n) for d, n in zip(offers, room, strict=True)]
     best = _best_length(rows, lengths, stats)
     out = []

@@ -138,22 +138,56 @@ def library_path() -> Path | None:
     return found[0] if found else None
 
 
-def thread_count() -> int:
-    value = os.environ.get(ENV_THREADS, "").strip()
-    if value:
-        try:
-            return max(1, int(value))
-        except ValueError:
-            log.warning("%s=%r is not an integer; using the CPU count", ENV_THREADS, value)
+def env(name: str, default: str = "") -> str:
+    """An MLX_GATEWAY_CPU_* variable, stripped and lower-cased.
+
+    The kernels' switches are read on every call (tests change them with
+    monkeypatch.setenv), a few hundred times a decode step: `os.environ.get` encodes the
+    key each time (about 1.4 us), a lookup in the environment's own bytes mapping, which
+    every assignment to os.environ updates, takes a tenth of that."""
+    data = getattr(os.environ, "_data", None)
+    if isinstance(data, dict):
+        raw = data.get(_ENV_KEYS.get(name) or _env_key(name))
+        return _decoded(raw) if raw is not None else default
+    return os.environ.get(name, default).strip().lower()
+
+
+_ENV_KEYS: dict[str, bytes] = {}
+
+
+def _env_key(name: str) -> bytes:
+    _ENV_KEYS[name] = key = os.fsencode(name)
+    return key
+
+
+@functools.lru_cache(maxsize=64)
+def _decoded(raw: bytes) -> str:
+    return os.fsdecode(raw).strip().lower()
+
+
+@functools.cache
+def _cores() -> int:
+    """The cores this process may run on (read once: an affinity change while serving is
+    not followed)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # macOS has no affinity masks
         return max(1, os.cpu_count() or 1)
 
 
+def thread_count() -> int:
+    value = env(ENV_THREADS)
+    if value:
+        try:
+            return max(1, int(value))
+        except ValueError:
+            log.warning("%s=%r is not an integer; using the CPU count", ENV_THREADS, value)
+    return _cores()
+
+
 def enabled() -> bool:
     """False when the environment forces MLX's own ops."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    return env(ENV_SWITCH, "1") not in ("0", "false", "no", "off")
 
 
 @functools.cache
@@ -195,7 +229,7 @@ def _load(path: Path | None) -> Kernels | None:
             exc,
         )
         return None
-    generic = os.environ.get(ENV_ISA, "").strip().lower() == "generic"
+    generic = env(ENV_ISA) == "generic"
     kernels = Kernels(lib, path, thread_count(), generic, lib.mlxgw_isa(int(generic)).decode())
     log.info("CPU kernels: %s (%s, %d threads)", path.name, kernels.isa, kernels.threads)
     return kernels

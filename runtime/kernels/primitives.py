@@ -25,7 +25,6 @@ import functools
 import importlib
 import importlib.metadata
 import logging
-import os
 import platform
 import sys
 from collections.abc import Sequence
@@ -34,7 +33,7 @@ from types import ModuleType
 
 import mlx.core as mx
 
-from runtime.kernels.bridge import ENV_ISA, enabled, thread_count
+from runtime.kernels.bridge import ENV_ISA, enabled, env, thread_count
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +87,12 @@ def mlx_version() -> str:
 
 def _generic() -> bool:
     """Read per call: tests switch between the AVX2 and the portable code."""
-    return os.environ.get(ENV_ISA, "").strip().lower() == "generic"
+    return env(ENV_ISA) == "generic"
 
 
 def activation_bits() -> int:
     """MLX_GATEWAY_CPU_ACTIVATIONS as the kernel's x_bits (an unknown value: int16, said)."""
-    value = os.environ.get(ENV_ACTIVATIONS, "int16").strip().lower()
+    value = env(ENV_ACTIVATIONS, "int16")
     if value not in ACTIVATIONS:
         log.warning("%s=%r: use int16, int8 or float32; using int16", ENV_ACTIVATIONS, value)
         return ACTIVATIONS["int16"]

@@ -3,10 +3,12 @@ GGUF file (runtime.load.gguf), into a runtime.models architecture with its token
 
 from __future__ import annotations
 
+from runtime.load.decoder_encoder import MODEL_TASKS
 from runtime.load.encoder import (
     EncoderTask,
     LoadedEncoder,
     ScoreActivation,
+    encoder_task,
     is_encoder,
     load_encoder,
 )
@@ -21,6 +23,7 @@ from runtime.load.precision import (
 
 __all__ = [
     "DEFAULT_QUANTIZE_GROUP",
+    "MODEL_TASKS",
     "QUANTIZE_GROUPS",
     "EncoderTask",
     "GGUFFile",
@@ -31,6 +34,7 @@ __all__ = [
     "ShardHook",
     "check_quantize",
     "context_length",
+    "encoder_task",
     "hf_config",
     "is_encoder",
     "load",

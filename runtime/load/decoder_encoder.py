@@ -13,6 +13,12 @@ A qwen3 folder is
   is what llama.cpp's converter reads too;
 - else a chat model (runtime/load/loader.py).
 
+A serving config's per-model `task` ("embed", "rerank" or "generate") overrides the
+guess from the name: "rerank" makes any Qwen3ForCausalLM a yes/no reranker, "generate"
+keeps a folder named "...reranker" a chat model; a task the checkpoint cannot do (a
+sequence-classification head asked to chat or embed, "embed" without a Pooling module)
+is a ValueError naming what it is.
+
 Both kinds of reranker score a pair written into Qwen3-Reranker's prompt
 (`RERANKER_PROMPT`, its model card's format with its default instruction, which a
 /v1/rerank request has no field to change); the score is the probability of "yes"
@@ -54,15 +60,38 @@ RERANKER_PROMPT = PairPrompt(
 )
 
 
-def decoder_head(folder: Path, config: Mapping[str, Any]) -> DecoderHead | None:
+MODEL_TASKS = ("generate", "embed", "rerank")  # a serving config's `task` values
+
+
+def decoder_head(
+    folder: Path, config: Mapping[str, Any], task: str | None = None
+) -> DecoderHead | None:
     """How the qwen3 folder is served as an encoder (see the module docstring); None for
-    a chat model, or a config of another model type."""
+    a chat model, or a config of another model type. `task`: the config's, or None to
+    decide from the checkpoint and its name."""
+    if task is not None and task not in MODEL_TASKS:
+        raise ValueError(f"task {task!r} is not one of {', '.join(MODEL_TASKS)}")
     if str(config.get("model_type")) != "qwen3":
         return None
     names = [str(a) for a in config.get("architectures") or []]
     if _SEQUENCE_CLASSIFICATION in names:
+        if task not in (None, "rerank"):
+            raise ValueError(
+                f"{folder.name} is a {_SEQUENCE_CLASSIFICATION} (a reranker's scoring head): "
+                f'it serves task "rerank", not {task!r}'
+            )
         return DecoderHead.SCORE
-    if _lists_pooling(folder / "modules.json"):
+    pooled = _lists_pooling(folder / "modules.json")
+    if task == "embed" and not pooled:
+        raise ValueError(
+            f'{folder.name}: task "embed" needs the sentence-transformers modules.json with a '
+            "Pooling module that Qwen3-Embedding ships (it says how to pool)"
+        )
+    if task == "generate":
+        return None
+    if task == "rerank":
+        return DecoderHead.YES_NO
+    if pooled:
         return DecoderHead.NONE
     hints = (folder.name, str(config.get("_name_or_path") or ""))
     if any("reranker" in hint.lower() for hint in hints):

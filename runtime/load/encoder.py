@@ -50,8 +50,12 @@ from runtime.load.decoder_encoder import (
     decoder_head,
     with_final_eos,
 )
-from runtime.load.gguf.decoder_encoder import is_gguf_decoder_encoder, read_gguf_decoder_encoder
-from runtime.load.gguf.encoder import is_gguf_encoder, read_gguf_encoder
+from runtime.load.gguf.decoder_encoder import (
+    gguf_decoder_scores,
+    is_gguf_decoder_encoder,
+    read_gguf_decoder_encoder,
+)
+from runtime.load.gguf.encoder import gguf_encoder_scores, is_gguf_encoder, read_gguf_encoder
 from runtime.load.loaded import resolve_dtype
 from runtime.models import (
     DecoderHead,
@@ -121,34 +125,67 @@ class LoadedEncoder:
         return self.pooling.width(args.hidden_size)
 
 
-def is_encoder(source: str | Path) -> bool:
+def is_encoder(source: str | Path, task: str | None = None) -> bool:
     """Whether `source` is a folder holding an encoder (config.json's model_type), or a
-    GGUF file of one."""
+    GGUF file of one; `task` as encoder_task."""
+    return encoder_task(source, task) is not None
+
+
+_TASK_NAMES = {EncoderTask.EMBED: "embed", EncoderTask.SCORE: "rerank", None: "generate"}
+
+
+def encoder_task(source: str | Path, task: str | None = None) -> EncoderTask | None:
+    """What `source` serves, read from its config (or a GGUF's head) without its weights:
+    None for a chat model. `task` ("generate", "embed" or "rerank"), a serving config's,
+    decides where the checkpoint leaves it open (runtime/load/decoder_encoder.py) and is
+    a ValueError where the checkpoint says otherwise."""
     path = Path(source).expanduser()
+    found: EncoderTask | None = None
     if path.is_file():
-        return is_gguf_encoder(path) or is_gguf_decoder_encoder(path)
-    file = path / "config.json"
-    if not file.is_file():
-        return False
+        if is_gguf_decoder_encoder(path):
+            found = EncoderTask.SCORE if gguf_decoder_scores(path) else EncoderTask.EMBED
+        elif is_gguf_encoder(path):
+            found = EncoderTask.SCORE if gguf_encoder_scores(path) else EncoderTask.EMBED
+    else:
+        config = _config_of(path)
+        head = decoder_head(path, config, task) if config is not None else None
+        if head is not None:
+            return EncoderTask.EMBED if head is DecoderHead.NONE else EncoderTask.SCORE
+        if config is not None and str(config.get("model_type")) == "qwen3":
+            return None  # a chat model, `task` checked by decoder_head
+        if config is not None and is_encoder_config(config):
+            labelled = classification_labels(config) > 0
+            found = EncoderTask.SCORE if labelled else EncoderTask.EMBED
+    if task is not None and task != _TASK_NAMES[found]:
+        raise ValueError(
+            f'{path.name} serves task "{_TASK_NAMES[found]}", not {task!r} (the config\'s '
+            "task chooses only for a Qwen3 decoder: a Qwen3-Reranker or -Embedding folder)"
+        )
+    return found
+
+
+def _config_of(folder: Path) -> dict[str, Any] | None:
     try:
-        config = json.loads(file.read_text(encoding="utf-8"))
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    if not isinstance(config, dict):
-        return False
-    return is_encoder_config(config) or decoder_head(path, config) is not None
+        return None
+    return config if isinstance(config, dict) else None
 
 
-def load_encoder(source: str | Path, *, dtype: str | None = None) -> LoadedEncoder:
+def load_encoder(
+    source: str | Path, *, dtype: str | None = None, task: str | None = None
+) -> LoadedEncoder:
     """Load an encoder folder or GGUF file (see the module docstring); `dtype` as
-    runtime.load.load."""
+    runtime.load.load; `task` a serving config's, as encoder_task."""
     started = time.perf_counter()
     path = Path(source).expanduser()
     dtype_name, mx_dtype = resolve_dtype(dtype)
+    if task is not None:
+        encoder_task(path, task)  # a ValueError where the file says otherwise
     if path.is_file():
         loaded = _from_gguf(path, dtype_name, mx_dtype)
     else:
-        loaded = _from_folder(path, dtype_name, mx_dtype)
+        loaded = _from_folder(path, dtype_name, mx_dtype, task)
     trim_heap()
     seconds = time.perf_counter() - started
     log.info("loaded encoder %s in %.1f s (%s, %s)", path, seconds, loaded.task.value, dtype_name)
@@ -191,11 +228,13 @@ def _from_gguf(path: Path, dtype_name: str, dtype: mx.Dtype) -> LoadedEncoder:
     )  # fmt: skip
 
 
-def _from_folder(folder: Path, dtype_name: str, dtype: mx.Dtype) -> LoadedEncoder:
+def _from_folder(
+    folder: Path, dtype_name: str, dtype: mx.Dtype, task: str | None = None
+) -> LoadedEncoder:
     config = _read_json(folder / "config.json")
     if config is None:
         raise FileNotFoundError(f"{folder} has no config.json")
-    head = decoder_head(folder, config)
+    head = decoder_head(folder, config, task)
     if head is not None:
         return _from_decoder_folder(folder, config, head, dtype_name, dtype)
     model = _with_weights(config, _read_weights(folder), dtype)

@@ -111,7 +111,7 @@ def test_settings_pair_the_mode_with_a_draft(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="speculative 'draft'"):
         EngineSettings(speculative="lookup", draft_model=tmp_path)
     with pytest.raises(ValueError, match="speculative must be one of"):
-        EngineSettings(speculative="mtp")
+        EngineSettings(speculative="medusa")
 
 
 def test_the_draft_s_weights_count_in_the_budget(tmp_path: Path) -> None:

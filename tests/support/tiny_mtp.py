@@ -36,8 +36,19 @@ TARGETS = {
 }
 
 
-def make_tiny_mtp(name: str, directory: Path, *, seed: int = 3, agree: bool = False) -> Path:
-    """Write the `name` target with its MTP layer (and a tokenizer) into `directory`."""
+def make_tiny_mtp(
+    name: str,
+    directory: Path,
+    *,
+    seed: int = 3,
+    agree: bool = False,
+    attend: float = 1.0,
+    noise: float = 0.0,
+) -> Path:
+    """Write the `name` target with its MTP layer (and a tokenizer) into `directory`;
+    `attend` scales the head's attention output (a head whose prediction hangs on the
+    context it attends to, where the random block's attention adds little); `noise`
+    moves its projection (with `agree`: a head near the target, not equal to it)."""
     module, vocab = TARGETS[name]
     module.make_tiny(name, directory, seed=seed)
     tiny_models.write_tokenizer(directory, vocab)
@@ -51,6 +62,10 @@ def make_tiny_mtp(name: str, directory: Path, *, seed: int = 3, agree: bool = Fa
     else:
         extra = _qwen_layer(tensors, config, gen, agree)
         config["mtp_num_hidden_layers"] = 1
+    extra = {k: v * attend if "self_attn.o_proj." in k else v for k, v in extra.items()}
+    for k, v in extra.items():
+        if k.endswith(("eh_proj.weight", "mtp.fc.weight")) and noise:
+            extra[k] = v + torch.randn(v.shape, generator=gen) * noise
     if agree:
         tensors = {k: _zero(v) if k.startswith("model.layers.") else v for k, v in tensors.items()}
         head = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"

@@ -1,7 +1,8 @@
 """`mlx-gateway launch CLIENT`: start a coding agent on the local model in one command.
 
-    mlx-gateway launch claude|codex|openclaw|opencode [--model M] [--yes] [--config]
-                       [--restore] [--host H] [--port P] [--api-key K] [-- CLIENT ARGS]
+    mlx-gateway launch claude|codex|openclaw|opencode [--model M] [--embedding-model E]
+                       [--yes] [--config] [--restore] [--host H] [--port P] [--api-key K]
+                       [-- CLIENT ARGS]
 
 Uses the gateway serving at --host/--port, or starts one (and stops it when the client
 exits); points the client at it through its environment or files of launch's own;
@@ -42,6 +43,7 @@ examples:
   mlx-gateway launch codex --port 8123 -- exec --skip-git-repo-check "say hi"
   mlx-gateway launch opencode -- run "say hi"
   mlx-gateway launch openclaw --yes -- agent --local --message "say hi"
+  mlx-gateway launch openclaw --embedding-model all-minilm-l6-v2 --config
   mlx-gateway launch codex --restore
 """
 
@@ -60,6 +62,13 @@ def _options(p: argparse.ArgumentParser, *, defaults: bool) -> None:
         default=d(None),
         help="model to serve when launch starts the gateway; a running gateway must serve "
         "it (default: whatever runs, else $MLX_GATEWAY_MODEL or smollm2-135m)",
+    )
+    p.add_argument(
+        "--embedding-model",
+        default=d(None),
+        help="an embedding model for clients that embed (OpenClaw's memory search); "
+        "launch's gateway serves it beside --model (default: the first one a running "
+        "gateway serves, else none)",
     )
     p.add_argument("-y", "--yes", action="store_true", default=d(False), help="answer yes")
     p.add_argument(
@@ -132,8 +141,10 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         split_rest(args)
     client = CLIENTS[args.client]()
     if args.restore:
-        if args.model or args.config or args.client_args:
-            raise LaunchError("--restore takes no --model, --config or client arguments")
+        if args.model or args.embedding_model or args.config or args.client_args:
+            raise LaunchError(
+                "--restore takes no --model, --embedding-model, --config or client arguments"
+            )
         client.restore(out)
         return 0
     why = client.conflict(args.client_args)
@@ -148,8 +159,9 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     asker = Asker(yes=args.yes)
     endpoint = Endpoint(args.host, args.port, args.api_key)
     default_model = _env("MODEL", DEFAULT_MODEL)
-    with flow.gateway(endpoint, args.model, default_model, out) as (served, started):
-        target = flow.make_target(endpoint, served)
+    embedding = args.embedding_model
+    with flow.gateway(endpoint, args.model, default_model, out, embedding) as (served, started):
+        target = flow.make_target(endpoint, served, embedding)
         action = f"Write the {client.title} config" if exe is None else f"Start {client.title}"
         flow.check_context(client, served, started, asker, out, action)
         flow.write_files(client, target, asker, out)
@@ -157,10 +169,11 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
             line = flow.manual(client, exe, target)
             out.write(f"configured; start {client.title} with:\n  {line}\n")
             if started:
+                models = [args.model or default_model, *([embedding] if embedding else [])]
                 out.write(
                     f"with a gateway serving at {endpoint.root_url}, as `mlx-gateway serve "
-                    f"--model {args.model or default_model} --port {endpoint.port}` (the one "
-                    "launch started to read the model's context stops now)\n"
+                    f"{' '.join('--model ' + m for m in models)} --port {endpoint.port}` (the "
+                    "one launch started to read the model's context stops now)\n"
                 )
             return 0
         return flow.run_client(client, exe, target, args.client_args, out)

@@ -34,6 +34,7 @@ class Target:
     api_key: str | None = None
     vision: bool = False
     thinking: bool = False
+    embedding_model: str | None = None  # served for /v1/embeddings, when one is
 
     @property
     def v1_url(self) -> str:
@@ -102,6 +103,10 @@ class Client(ABC):
         return None
 
     def files(self, target: Target) -> list[PlannedFile]:
+        return []
+
+    def notes(self, target: Target) -> list[str]:
+        """Lines launch prints before writing the files (what it set up, or left)."""
         return []
 
     @abstractmethod

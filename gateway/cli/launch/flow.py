@@ -15,6 +15,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
+from gateway.cli.common import requested_id
 from gateway.cli.launch import server as srv
 from gateway.cli.launch.base import ROOM, Asker, Client, LaunchError, Target
 from gateway.cli.launch.files import write_atomic
@@ -31,9 +32,14 @@ def log_dir() -> Path:
 
 @contextlib.contextmanager
 def gateway(
-    endpoint: srv.Endpoint, model: str | None, default_model: str, out: TextIO
+    endpoint: srv.Endpoint,
+    model: str | None,
+    default_model: str,
+    out: TextIO,
+    embedding_model: str | None = None,
 ) -> Iterator[tuple[srv.Served, bool]]:
-    """The served model, and whether launch started its server (then stopped on exit)."""
+    """The served model, and whether launch started its server (then stopped on exit);
+    a server launch starts serves `embedding_model` too, one running must list it."""
     url = endpoint.root_url
     try:
         served = srv.probe(endpoint)
@@ -46,20 +52,49 @@ def gateway(
                 f"the gateway at {url} serves {served.model!r}, not {model!r}. Stop it, "
                 f"start another one with --port, or leave out --model to use {served.model!r}"
             )
+        check_embedder(served, embedding_model, url)
         out.write(f"using the gateway at {url} (model {served.model})\n")
         yield served, False
         return
     name = model or default_model
-    handle = srv.start(name, endpoint, log_dir())
+    more = (embedding_model,) if embedding_model else ()
+    handle = srv.start(name, endpoint, log_dir(), more)
+    shown = " ".join(f"--model {m}" for m in (name, *more))
     out.write(
-        f"no gateway at {url}: started `mlx-gateway serve --model {name}` "
-        f"(log: {handle.log_path})\n"
+        f"no gateway at {url}: started `mlx-gateway serve {shown}` (log: {handle.log_path})\n"
     )
     try:
-        yield srv.wait_ready(endpoint, out, handle), True
+        served = srv.wait_ready(endpoint, out, handle)
+        check_embedder(served, embedding_model, url)
+        yield served, True
     finally:
         handle.stop()
         out.write(f"stopped the gateway launch started (pid {handle.proc.pid})\n")
+
+
+def check_embedder(served: srv.Served, name: str | None, url: str) -> None:
+    """`--embedding-model NAME` must be an embedding model the gateway lists."""
+    if name is None:
+        return
+    wanted = requested_id(name)
+    if wanted not in served.tasks and wanted not in (served.model, *served.aliases):
+        raise LaunchError(
+            f"the gateway at {url} does not serve {name!r}: restart it with "
+            f"`--model {served.model} --model {name}` (or leave out --embedding-model)"
+        )
+    task = served.tasks.get(wanted)
+    if task not in (None, "embed"):
+        raise LaunchError(
+            f"{name!r} is not an embedding model (the gateway serves it for {task!r})"
+        )
+
+
+def embedder(served: srv.Served, name: str | None) -> str | None:
+    """The embedding model clients are pointed at: --embedding-model's, else the first
+    the gateway lists, else None."""
+    if name is not None:
+        return requested_id(name)
+    return served.embedders[0] if served.embedders else None
 
 
 def reply_budget(served: srv.Served) -> int:
@@ -70,7 +105,9 @@ def reply_budget(served: srv.Served) -> int:
     return max(256, min(budget, ctx // 4)) if ctx else budget
 
 
-def make_target(endpoint: srv.Endpoint, served: srv.Served) -> Target:
+def make_target(
+    endpoint: srv.Endpoint, served: srv.Served, embedding_model: str | None = None
+) -> Target:
     caps = served.capabilities
     return Target(
         root_url=endpoint.root_url,
@@ -80,6 +117,7 @@ def make_target(endpoint: srv.Endpoint, served: srv.Served) -> Target:
         api_key=endpoint.api_key,
         vision=bool(caps.get("vision")),
         thinking=bool(caps.get("thinking")),
+        embedding_model=embedder(served, embedding_model),
     )
 
 
@@ -121,6 +159,8 @@ def check_context(
 
 def write_files(client: Client, target: Target, asker: Asker, out: TextIO) -> None:
     """All questions first, then all writes: a "no" leaves every file as it was."""
+    for note in client.notes(target):
+        out.write(note + "\n")
     planned = client.files(target)
     changes = [p for p in planned if not (p.path.exists() and p.path.read_bytes() == p.data)]
     for p in changes:

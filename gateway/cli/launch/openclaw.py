@@ -4,7 +4,14 @@ into its config file (~/.openclaw/openclaw.json), every other key kept as it was
 OpenClaw talks to the gateway over `/v1/chat/completions` (`api: "openai-completions"`):
 its docs name that adapter for self-hosted OpenAI-compatible servers, and it is the
 dialect with the longest record here. The model it used before launch changed it is
-remembered, so `--restore` can put it back."""
+remembered, so `--restore` can put it back.
+
+When the gateway serves an embedding model (or --embedding-model names one), OpenClaw's
+memory search embeds with it: `memory.search.provider` names the same provider entry
+(OpenClaw reads an `openai-completions` provider as an OpenAI-compatible
+/v1/embeddings endpoint at its baseUrl, with its key) and `memory.search.model` the
+model. The memory.search keys that chose the user's embedding provider are remembered
+for --restore; the others (sources, extra paths, query tuning) stay as they are."""
 
 from __future__ import annotations
 
@@ -92,8 +99,17 @@ def model_entry(target: Target) -> dict[str, Any]:
     return entry
 
 
+# memory.search keys that choose and reach an embedding provider: replaced by launch's
+# provider and model, put back by --restore
+MEMORY_PROVIDER_KEYS = (
+    "provider", "model", "remote", "fallback", "local", "outputDimensionality",
+    "inputType", "queryInputType", "documentInputType",
+)  # fmt: skip
+
+
 def merged(config: dict[str, Any], target: Target) -> dict[str, Any]:
-    """`config` with our provider and default model set; all else untouched."""
+    """`config` with our provider, default model and (given an embedding model) memory
+    search set; all else untouched."""
     out = json.loads(json.dumps(config))  # a deep copy
     providers = _table(_table(out, "models", "models"), "providers", "models.providers")
     provider = providers.get(PROVIDER_ID)
@@ -115,6 +131,12 @@ def merged(config: dict[str, Any], target: Target) -> dict[str, Any]:
     model = dict(model) if isinstance(model, dict) else {}
     model["primary"] = f"{PROVIDER_ID}/{target.model}"
     defaults["model"] = model
+    if target.embedding_model:
+        search = _table(_table(out, "memory", "memory"), "search", "memory.search")
+        for key in MEMORY_PROVIDER_KEYS:
+            search.pop(key, None)
+        search["provider"] = PROVIDER_ID
+        search["model"] = target.embedding_model
     return out
 
 
@@ -129,6 +151,24 @@ def _primary(config: dict[str, Any]) -> Any:
 
 def _ours(primary: Any) -> bool:
     return isinstance(primary, str) and primary.startswith(PROVIDER_ID + "/")
+
+
+def _search(config: dict[str, Any]) -> dict[str, Any] | None:
+    memory = config.get("memory")
+    search = memory.get("search") if isinstance(memory, dict) else None
+    return search if isinstance(search, dict) else None
+
+
+def _search_ours(config: dict[str, Any]) -> bool:
+    return (_search(config) or {}).get("provider") == PROVIDER_ID
+
+
+def _read_state() -> dict[str, Any]:
+    try:
+        state = json.loads(state_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
 
 
 class OpenClaw(Client):
@@ -162,16 +202,38 @@ class OpenClaw(Client):
                 f"Add the {PROVIDER_ID} provider to {path} and make {PROVIDER_ID}/"
                 f"{target.model} OpenClaw's default model (the file is backed up first)?"
             )
-        planned = []
-        previous = (_defaults(current) or {}).get("model")
-        if not _ours(_primary(current)):
-            # What to put back on --restore; kept until then, so a second launch (when
-            # the default is already ours) does not overwrite it.
-            state = {"config": str(path), "model": previous}
-            planned.append(PlannedFile(state_path(), dump(state)))
+        planned = [PlannedFile(state_path(), dump(self._state(path, current, target)))]
         # 0600 for a new file: OpenClaw keeps gateway tokens in it.
         planned.append(PlannedFile(path, dump(merged(current, target)), question, 0o600))
         return planned
+
+    def _state(self, path: Path, current: dict[str, Any], target: Target) -> dict[str, Any]:
+        """What to put back on --restore. A setting that is already launch's keeps what
+        an earlier launch remembered, so a second launch does not overwrite it."""
+        old = _read_state()
+        state: dict[str, Any] = {"config": str(path)}
+        if _ours(_primary(current)):
+            state["model"] = old.get("model")
+        else:
+            state["model"] = (_defaults(current) or {}).get("model")
+        if _search_ours(current) and "memory_search" in old:
+            state["memory_search"] = old["memory_search"]
+        elif target.embedding_model and not _search_ours(current):
+            search = _search(current) or {}
+            state["memory_search"] = {k: search[k] for k in MEMORY_PROVIDER_KEYS if k in search}
+        return state
+
+    def notes(self, target: Target) -> list[str]:
+        if target.embedding_model:
+            return [
+                f"OpenClaw's memory search embeds with {target.embedding_model} on the gateway "
+                "(rebuild an index made with another model or gateway address: `openclaw "
+                "memory index --force`)"
+            ]
+        return [
+            "OpenClaw's memory search is left as it was: the gateway serves no embedding "
+            "model (serve one beside the chat model, or pass --embedding-model NAME)"
+        ]
 
     def invocation(
         self, exe: Path, target: Target, args: Sequence[str], base_env: Mapping[str, str]
@@ -194,9 +256,12 @@ class OpenClaw(Client):
         providers = models.get("providers") if isinstance(models, dict) else None
         if isinstance(providers, dict):
             providers.pop(PROVIDER_ID, None)
-        _restore_model(config)
+        state = _read_state()
+        _restore_model(config, state.get("model"))
+        _restore_search(config, state.get("memory_search"))
         _drop_empty(config, ("models", "providers"))
         _drop_empty(config, ("agents", "defaults"))
+        _drop_empty(config, ("memory", "search"))
         written = write_atomic(path, dump(config), self.name)
         if written.changed:
             out.write(f"restored {path} (the version before is in {written.backup})\n")
@@ -211,14 +276,22 @@ def _defaults(config: dict[str, Any]) -> dict[str, Any] | None:
     return defaults if isinstance(defaults, dict) else None
 
 
-def _restore_model(config: dict[str, Any]) -> None:
+def _restore_search(config: dict[str, Any], previous: Any) -> None:
+    """Put back the memory.search keys that chose the user's embedding provider."""
+    search = _search(config)
+    if search is None or not _search_ours(config):
+        return
+    for key in MEMORY_PROVIDER_KEYS:
+        search.pop(key, None)
+    if isinstance(previous, dict):
+        search.update(previous)
+
+
+def _restore_model(config: dict[str, Any], previous: Any) -> None:
     """Put back the default model launch replaced (or remove ours if there was none)."""
     defaults = _defaults(config)
     if defaults is None or not _ours(_primary(config)):
         return
-    previous: Any = None
-    if state_path().exists():
-        previous = json.loads(state_path().read_text()).get("model")
     model = defaults["model"]
     if isinstance(model, dict) and set(model) != {"primary"}:
         # The user added settings next to ours since: keep them, swap only primary.

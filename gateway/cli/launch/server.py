@@ -12,8 +12,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TextIO
 
@@ -40,7 +40,8 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class Served:
-    """What GET /v1/models says about the served model."""
+    """What GET /v1/models says about the served chat model, and the names of the
+    embedding models served beside it."""
 
     model: str
     context_length: int | None
@@ -48,6 +49,8 @@ class Served:
     aliases: tuple[str, ...]
     source: str | None
     capabilities: dict[str, Any]
+    embedders: tuple[str, ...] = ()  # the ids of models whose card says task "embed"
+    tasks: Mapping[str, str] = field(default_factory=dict)  # every listed name's task
 
 
 class Starting(Exception):
@@ -58,15 +61,28 @@ def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def card_task(card: Mapping[str, Any]) -> str | None:
+    """What a /v1/models card serves: "generate", "embed", "rerank"; None where the
+    server does not say (its `task`, else its loaded capabilities')."""
+    caps = card.get("capabilities")
+    task = card.get("task") or (caps.get("task") if isinstance(caps, dict) else None)
+    return task if isinstance(task, str) else None
+
+
 def parse_models(body: bytes) -> Served:
-    """The first model card of a /v1/models body; the optional fields (aliases, the
-    default output bound) are read when the server reports them."""
+    """The first chat model's card of a /v1/models body (the first card when none says
+    it chats), and the embedding models listed; the optional fields (aliases, the
+    default output bound, tasks) are read when the server reports them."""
     try:
-        data = json.loads(body)["data"]
-        card = data[0]
+        data = [c for c in json.loads(body)["data"] if isinstance(c, dict)]
+        chat = [c for c in data if card_task(c) not in ("embed", "rerank")]
+        card = (chat or data)[0]
         model = str(card.get("alias_of") or card["id"])  # the model's own name first
+        tasks = {str(c["id"]): t for c in data if (t := card_task(c)) is not None}
     except (ValueError, KeyError, IndexError, TypeError):
         raise LaunchError(f"GET /v1/models gave no model: {body[:200]!r}") from None
+    # an alias's card repeats its model's task: one name for each embedding model
+    own = [str(c["id"]) for c in data if card_task(c) == "embed" and not c.get("alias_of")]
     aliases = [a for a in card.get("aliases") or () if isinstance(a, str)]
     # the cards of the model's aliases; a server with several models lists the others too
     aliases += [str(c["id"]) for c in data if isinstance(c, dict) and c.get("alias_of") == model]
@@ -78,6 +94,8 @@ def parse_models(body: bytes) -> Served:
         aliases=tuple(dict.fromkeys(aliases)),  # listed twice by newer servers
         source=card.get("source") if isinstance(card.get("source"), str) else None,
         capabilities=caps if isinstance(caps, dict) else {},
+        embedders=tuple(own),
+        tasks=tasks,
     )
 
 
@@ -158,22 +176,16 @@ class ManagedServer:
                 self.proc.send_signal(sig)
 
 
-def serve_command(model: str, endpoint: Endpoint) -> list[str]:
+def serve_command(model: str, endpoint: Endpoint, more: Sequence[str] = ()) -> list[str]:
+    """`serve` of `model` (the default), then `more` models beside it."""
+    models = [arg for name in (model, *more) for arg in ("--model", name)]
     return [
-        sys.executable,
-        "-m",
-        "gateway.cli.main",
-        "serve",
-        "--model",
-        model,
-        "--host",
-        endpoint.host,
-        "--port",
-        str(endpoint.port),
-    ]
+        sys.executable, "-m", "gateway.cli.main", "serve", *models,
+        "--host", endpoint.host, "--port", str(endpoint.port),
+    ]  # fmt: skip
 
 
-def start(model: str, endpoint: Endpoint, log_dir: Path) -> ManagedServer:
+def start(model: str, endpoint: Endpoint, log_dir: Path, more: Sequence[str] = ()) -> ManagedServer:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"serve-{endpoint.port}.log"
     log = open(log_path, "wb")  # noqa: SIM115 - closed by ManagedServer.stop
@@ -183,7 +195,7 @@ def start(model: str, endpoint: Endpoint, log_dir: Path) -> ManagedServer:
         env["MLX_GATEWAY_API_KEY"] = endpoint.api_key  # not on argv, where ps shows it
     # Its own session: the Ctrl-C a user types into the client must not reach it.
     proc = subprocess.Popen(
-        serve_command(model, endpoint),
+        serve_command(model, endpoint, more),
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -19,6 +19,10 @@ A config file lists `[[models]]` tables:
                                        # --draft-model, given one model only)
     matryoshka_dimensions = [256, 128] # an embedding model's Matryoshka sizes: the
                                        # `dimensions` /v1/embeddings accepts (default: none)
+    task = "rerank"                    # "generate", "embed" or "rerank": what a Qwen3
+                                       # decoder serves where its files leave it open (a
+                                       # Qwen3-Reranker not named "...reranker"); default:
+                                       # detected (runtime/load/decoder_encoder.py)
 
 The first model is the default (for requests that name none). A relative path is read
 from the file's folder. Every problem in the file is one CliError naming the file, the
@@ -56,7 +60,14 @@ from gateway.core.models import (
     weight_quantization,
 )
 from gateway.core.settings import QUANTIZE_GROUPS, EngineSettings
-from runtime.load import check_quantize, is_encoder, load, load_encoder
+from runtime.load import (
+    MODEL_TASKS,
+    EncoderTask,
+    check_quantize,
+    encoder_task,
+    load,
+    load_encoder,
+)
 from runtime.models import mtp_layers
 
 if sys.version_info >= (3, 11):
@@ -68,7 +79,7 @@ log = logging.getLogger(__name__)
 
 _KEYS = (
     "source", "id", "aliases", "template_family", "parser", "context_length", "sampling",
-    "kv_bits", "quantize", "quantize_group", "matryoshka_dimensions", "draft_model",
+    "kv_bits", "quantize", "quantize_group", "matryoshka_dimensions", "draft_model", "task",
 )  # fmt: skip
 
 
@@ -88,6 +99,7 @@ class ModelConfig:
     quantize_group: int | None = None  # None: as --quantize-group says
     matryoshka_dimensions: tuple[int, ...] = ()  # an embedding model's Matryoshka sizes
     draft_model: str | None = None  # None: as --draft-model says
+    task: str | None = None  # "generate", "embed" or "rerank"; None: detected
 
 
 def from_flags(
@@ -159,7 +171,16 @@ def _model(path: Path, index: int, table: Any) -> ModelConfig:
         quantize_group=_quantize_group(table, where),
         matryoshka_dimensions=_dimensions(table, where),
         draft_model=_draft_source(path, table, where),
+        task=_task(table, where),
     )
+
+
+def _task(table: Mapping[str, Any], where: str) -> str | None:
+    value = table.get("task")
+    if value is not None and value not in MODEL_TASKS:
+        names = ", ".join(f'"{t}"' for t in MODEL_TASKS)
+        raise CliError(f"{where}.task must be {names}, not {value!r}")
+    return value
 
 
 def _draft_source(path: Path, table: Mapping[str, Any], where: str) -> str | None:
@@ -271,11 +292,13 @@ def model_specs(
         quantize = settings.quantize if cfg.quantize == "default" else cfg.quantize
         group = cfg.quantize_group or settings.quantize_group
         weights = quantized_estimate(weight_file_bytes(path), quantize, group)
-        drafting = _drafting(cfg, path, settings)
+        kind = _served_task(cfg, path)
+        encoder = kind != "generate"
+        drafting = _drafting(cfg, path, settings, encoder)
         if drafting["draft_model"] is not None:  # its weights count in the budget too
             weights += weight_file_bytes(drafting["draft_model"])
         # an encoder keeps no KV cache (its LRU of recent rows is a few MB)
-        cache = 0 if is_encoder(path) else cache_budget(budget, weights, len(configs))
+        cache = 0 if encoder else cache_budget(budget, weights, len(configs))
         own = dataclasses.replace(
             settings,
             template_family=cfg.template_family or settings.template_family,
@@ -291,20 +314,33 @@ def model_specs(
         specs.append(
             ModelSpec(
                 id=model_id,
-                build=_builder(path, model_id, cfg, own),
+                build=_builder(path, model_id, cfg, own, encoder),
                 aliases=cfg.aliases - {model_id},
                 source=str(path),
                 weight_bytes=weights,
                 cache_bytes=cache,
+                task=kind,
             )
         )
     return specs
 
 
-def _drafting(cfg: ModelConfig, path: Path, settings: EngineSettings) -> dict[str, Any]:
+def _served_task(cfg: ModelConfig, path: Path) -> str:
+    """ "generate", "embed" or "rerank" (as /v1/models cards say), from the model's files
+    and the config's `task`; a task the files contradict fails at startup."""
+    try:
+        found = encoder_task(path, cfg.task)
+    except ValueError as exc:
+        raise CliError(f"{cfg.source}: {exc}") from None
+    return {None: "generate", EncoderTask.EMBED: "embed", EncoderTask.SCORE: "rerank"}[found]
+
+
+def _drafting(
+    cfg: ModelConfig, path: Path, settings: EngineSettings, encoder: bool
+) -> dict[str, Any]:
     """The model's speculative mode and draft model (its config's draft_model, else
     --draft-model), refused at startup unless the draft's tokenizer is the model's."""
-    if is_encoder(path):
+    if encoder:
         off = settings.draft_model or settings.speculative == "mtp"
         return {"speculative": "off" if off else settings.speculative,
                 "draft_model": None}  # fmt: skip
@@ -345,10 +381,10 @@ def _check_quantize(path: Path, settings: EngineSettings) -> None:
 
 
 def _builder(
-    path: Path, model_id: str, cfg: ModelConfig, settings: EngineSettings
+    path: Path, model_id: str, cfg: ModelConfig, settings: EngineSettings, encoder: bool
 ) -> Callable[[], ServedModel]:
     def build() -> ServedModel:
-        if is_encoder(path):
+        if encoder:
             return _build_encoder(path, model_id, cfg, settings)
         mtp = settings.speculative == "mtp"  # its MTP layer, kept only to draft with
         loaded = load(path, quantize=weight_quantization(settings), mtp=mtp)
@@ -378,7 +414,7 @@ def _build_encoder(
     models), its input limit lowered by a config's context_length."""
     if settings.quantize is not None:
         log.info("%s: an encoder keeps its float weights (--quantize is not applied)", model_id)
-    loaded = load_encoder(path)
+    loaded = load_encoder(path, task=cfg.task)
     if cfg.context_length is not None:
         if cfg.context_length > loaded.max_length:
             log.warning(

@@ -20,6 +20,9 @@ class ModelSpec:
     source: str = ""  # what its card shows before it is first loaded
     weight_bytes: int = 0  # the weights' estimate until a load measures them
     cache_bytes: int = 0  # the cache memory its runner gets (batch and prefix trie)
+    # what it serves, known from its files before a load: "generate", "embed" or
+    # "rerank" (/v1/models cards show it, so a client picks an embedding model unloaded)
+    task: str | None = None
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -66,6 +66,14 @@ def is_gguf_decoder_encoder(path: Path) -> bool:
     return isinstance(found, int) and (found in _POOLING or found == _RANK)
 
 
+def gguf_decoder_scores(path: Path) -> bool:
+    """Whether a qwen3 GGUF encoder is a reranker (pooling type rank), not an embedder."""
+    found = _head_value(path, _POOLING_KEY)
+    if found is _UNKNOWN:
+        found = GGUFFile(path).get(_POOLING_KEY)
+    return found == _RANK
+
+
 def read_gguf_decoder_encoder(path: Path) -> GGUFDecoderEncoder:
     """The parts of a qwen3 GGUF embedding model or reranker (see the module docstring)."""
     gf = GGUFFile(path)

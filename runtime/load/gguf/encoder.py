@@ -121,8 +121,7 @@ def read_gguf_encoder(path: Path) -> GGUFEncoder:
     if gf.architecture not in ENCODER_ARCHITECTURES:
         raise ValueError(f"{path}: a {gf.architecture!r} GGUF is not an encoder")
     kind = int(gf.arch_get("pooling_type", 1))
-    labelled = gf.arch_get(_LABELS_KEY) is not None
-    scores = kind == _RANK or labelled or "cls.output.weight" in gf.tensors
+    scores = _scores(gf)
     if not scores and kind not in _POOLING:
         name = _POOLING_NAMES.get(kind, str(kind))
         raise ValueError(
@@ -136,6 +135,20 @@ def read_gguf_encoder(path: Path) -> GGUFEncoder:
         config.update(_head(path, gf, weights))
         return GGUFEncoder(config, weights, tokenizer, None)
     return GGUFEncoder(config, weights, tokenizer, Pooling((_POOLING[kind],), normalize=True))
+
+
+def gguf_encoder_scores(path: Path) -> bool:
+    """Whether a BERT-family GGUF is a cross-encoder (reads the metadata, not weights)."""
+    return _scores(GGUFFile(path))
+
+
+def _scores(gf: GGUFFile) -> bool:
+    labelled = gf.arch_get(_LABELS_KEY) is not None
+    return (
+        int(gf.arch_get("pooling_type", 1)) == _RANK
+        or labelled
+        or "cls.output.weight" in gf.tensors
+    )
 
 
 def _tokenizer(gf: GGUFFile) -> Tokenizer:
