@@ -1,5 +1,6 @@
 """Speculative decoding, side by side in one run: decode speed with speculation off, with
-prompt lookup, with the file passed as a predicted output, and llama.cpp with and
+prompt lookup, with the trie drafter (other conversations' text too), with the file
+passed as a predicted output, and llama.cpp with and
 without its prompt lookup (llama-cpp-python's LlamaPromptLookupDecoding) on the same
 GGUF and the same token ids, greedy.
 
@@ -205,6 +206,7 @@ def main() -> None:
     columns: dict[str, dict[str, Any]] = {}
     columns["off"] = _gateway(loaded, "off", plain)
     columns["lookup"] = _gateway(loaded, "lookup", plain)
+    columns["trie"] = _gateway(loaded, "trie", plain)
     columns["prediction"] = _gateway(loaded, "off", predicted)
     if not args.skip_llama:
         columns["llama.cpp"] = _llama(args.model, plain, lookup=False)

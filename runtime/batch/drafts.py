@@ -61,6 +61,9 @@ class Lookup:
         self._aligned = len(self._prediction) > 0
         self._output_at = len(tokens) if output_at is None else output_at
         self.foreseen = 0  # output tokens the prediction had where they were written
+        # where the last draft from the sequence itself was read: (the sequence's length
+        # then, the position its draft started at); a copy keeps reading on from there
+        self._copying: tuple[int, int] | None = None
         self.extend(tokens)
 
     def __len__(self) -> int:
@@ -110,6 +113,9 @@ class Lookup:
         if self._n < SHORTEST_NGRAM:
             return Draft()
         tokens = self._buf[: self._n]
+        copied = self._copy_on(tokens, k)
+        if copied is not None:
+            return Draft(copied, False)
         for n in range(min(LONGEST_NGRAM, self._n), SHORTEST_NGRAM - 1, -1):
             suffix = tokens[self._n - n :]
             # in the prediction, the match nearest after where the last one left off (a
@@ -125,10 +131,26 @@ class Lookup:
             hits = _matches(tokens, self._n - 1, suffix)
             if len(hits):  # in the sequence, the latest
                 at = int(hits[-1])
+                self._copying = (self._n, at + n)
                 return Draft(tuple(int(t) for t in tokens[at + n : at + n + k]), False)
         if self._shared is not None:
             return Draft(self._shared.propose(tokens, k), False)
         return Draft()
+
+    def _copy_on(self, tokens: np.ndarray, k: int) -> tuple[int, ...] | None:
+        """The draft that continues the sequence's last source, when what was written
+        since still matches it: text copied from the context (a file written back with
+        an edit) is read on in order, where the latest match of a short n-gram would jump
+        to another place the n-gram repeats (`def`, `self.`, indentation)."""
+        if self._copying is None:
+            return None
+        then, start = self._copying
+        at = start + (self._n - then)  # where the copy has got to if all was accepted
+        n = min(LONGEST_NGRAM, at)  # the tail it must still match, as a search's
+        if at >= self._n or not np.array_equal(tokens[at - n : at], tokens[self._n - n :]):
+            self._copying = None
+            return None
+        return tuple(int(t) for t in tokens[at : min(at + k, self._n)])
 
 
 @dataclass(frozen=True)

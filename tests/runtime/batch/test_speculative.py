@@ -48,6 +48,20 @@ def test_lookup_proposes_what_followed_the_longest_recent_match() -> None:
     assert short.propose(8).tokens == (9, 1, 2)  # up to the end, never past it
 
 
+
+def test_lookup_reads_a_copy_on_in_order() -> None:
+    """Text copied from the context keeps being read from where the copy is, though the
+    n-gram it ends with repeats later in the context (the latest match is elsewhere)."""
+    context = [7, 8, 9, 1, 2, 3, 4, 10, 11, 12, 13, 1, 2, 3, 4, 20, 21, 22, 23]
+    lookup = Lookup([*context, 7, 8, 9], output_at=len(context))
+    assert lookup.propose(4).tokens == (1, 2, 3, 4)
+    lookup.extend([1, 2, 3, 4])
+    assert lookup.propose(3).tokens == (10, 11, 12)  # on from the copy, not (20, 21, 22)
+    lookup.extend([10, 99])  # the copy went another way: a search again
+    assert lookup.propose(2).tokens == ()
+    fresh = Lookup([*context, 1, 2, 3, 4])
+    assert fresh.propose(3).tokens == (20, 21, 22)  # with no copy under way: the latest
+
 def test_lookup_follows_the_prediction_then_searches_it_first() -> None:
     # the output so far is the prediction's beginning: the rest of it is the draft
     lookup = Lookup([4, 1], prediction=[9, 1, 2, 3, 3])
