@@ -1,6 +1,10 @@
-"""BERT's exact (erf) GELU on the CPU kernels' threads (kernels.c's mlxgw_gelu_erf,
-through ctypes): MLX's erf is a scalar loop and its fused form of the rational erf runs on
-one thread, while the GELU is about a quarter of an encoder's forward."""
+"""BERT's exact (erf) GELU on the CPU kernels' threads (kernels.c's mlxgw_gelu_erf): MLX's
+erf is a scalar loop and its fused form of the rational erf runs on one thread, while the
+GELU is about a quarter of an encoder's forward.
+
+As the extension's primitive (runtime/kernels/primitives.py) it stays in the lazy graph, so
+a piece's layers run as one evaluation; through ctypes (a build without the extension) it
+evaluates its input, and copies it out and the result back in."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from runtime.kernels.bridge import MIN_ROWS, kernels
+from runtime.kernels.primitives import gelu_erf as primitive_gelu
 
 
 @functools.cache
@@ -27,6 +32,9 @@ def gelu_erf(x: mx.array) -> mx.array | None:
     Evaluates `x` (an encoder runs its forward a layer at a time anyway)."""
     if x.dtype != mx.float32 or x.ndim == 0 or x.size < MIN_ROWS * x.shape[-1]:
         return None
+    lazy = primitive_gelu(x)
+    if lazy is not None:
+        return lazy
     lib = kernels()
     if lib is None:
         return None

@@ -305,6 +305,16 @@ def quantized_attention_rows(
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
+def gelu_erf(x: mx.array) -> mx.array | None:
+    """The exact (erf) GELU of float32 `x` as one CPU primitive, or None where it does not
+    run (the ctypes kernel or MLX's ops then: runtime/kernels/gelu.py)."""
+    ext = active()
+    if ext is None or x.dtype != mx.float32 or not hasattr(ext, "gelu_erf"):
+        return None
+    out: mx.array = ext.gelu_erf(x, threads=thread_count(), generic=_generic())
+    return out
+
+
 def rms_norm(x: mx.array, w: mx.array, eps: float, unit_offset: bool = False) -> mx.array | None:
     """RMSNorm over the last axis as one CPU primitive, scaled by (w + 1) with
     `unit_offset` (gemma's weights); None where it does not run: MLX's op then (on the

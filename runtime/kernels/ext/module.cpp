@@ -100,6 +100,14 @@ NB_MODULE(_mlx_ext, m) {
       "generic"_a,
       "attention of (B, Hq, L, D) queries over quantized rows of their own: (B, L, Hq, D)");
   m.def(
+      "gelu_erf",
+      &mlxgw::gelu_erf,
+      "x"_a,
+      nb::kw_only(),
+      "threads"_a,
+      "generic"_a,
+      "the exact (erf) GELU, elementwise, float32, on the kernels' threads");
+  m.def(
       "rms_norm",
       &mlxgw::rms_norm,
       "x"_a,

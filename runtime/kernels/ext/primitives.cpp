@@ -667,6 +667,41 @@ void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
                     unit = int(unit_offset_)]() { mlxgw_rms_norm(xp, wp, op, rows, dim, eps, unit); });
 }
 
+mx::array gelu_erf(const mx::array& x, int threads, bool generic) {
+  auto stream = mx::default_stream(mx::Device::cpu);
+  return mx::array(
+      x.shape(),
+      mx::float32,
+      std::make_shared<GeluErf>(stream, threads, generic),
+      {mx::astype(x, mx::float32, stream)});
+}
+
+void GeluErf::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto s = stream();
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  auto x = row_contiguous(inputs[0], s);
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  encoder.set_input_array(x);
+  encoder.set_output_array(out);
+  encoder.dispatch([xp = x.data<float>(),
+                    op = out.data<float>(),
+                    n = int64_t(x.size()),
+                    threads = threads_,
+                    generic = int(generic_)]() {
+    check_status(mlxgw_gelu_erf(xp, op, n, threads, generic), "gelu_erf");
+  });
+}
+
+void GeluErf::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[mlxgw.gelu_erf] runs on the CPU only");
+}
+
+bool GeluErf::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const GeluErf&>(other);
+  return threads_ == o.threads_ && generic_ == o.generic_;
+}
+
 void RmsNorm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("[mlxgw.rms_norm] runs on the CPU only");
 }

@@ -335,6 +335,30 @@ class QuantizedAttentionRows : public mx::Primitive {
   bool generic_;
 };
 
+// The exact (erf) GELU, elementwise, on the kernels' threads (kernels.c): float32.
+mx::array gelu_erf(const mx::array& x, int threads, bool generic);
+
+class GeluErf : public mx::Primitive {
+ public:
+  GeluErf(mx::Stream stream, int threads, bool generic)
+      : mx::Primitive(stream), threads_(threads), generic_(generic) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  const char* name() const override {
+    return "MlxgwGeluErf";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  int threads_;
+  bool generic_;
+};
+
 class Dequantize : public mx::Primitive {
  public:
   Dequantize(mx::Stream stream, int group_size, int bits, int threads, bool generic)

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from runtime.kernels import bridge as cpu_kernels
+from runtime.kernels import gelu as gelu_module
+from runtime.kernels import primitives
 from runtime.kernels.gelu import gelu_erf
 from runtime.models.bert import _erf_gelu
 
@@ -30,8 +32,17 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iter
     yield str(request.param)
 
 
+@pytest.mark.parametrize("path", ["primitive", "ctypes"])
 @pytest.mark.parametrize("shape", [(32, 40), (3, 333, 1536)])  # a tail of 7; several threads
-def test_gelu_erf_matches_mlx_and_erf(shape: tuple[int, ...], isa: str) -> None:
+def test_gelu_erf_matches_mlx_and_erf(
+    shape: tuple[int, ...], isa: str, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The extension's primitive (lazy, in the graph) and the ctypes call (a build without
+    the extension) compute the same GELU."""
+    if path == "ctypes":
+        monkeypatch.setattr(gelu_module, "primitive_gelu", lambda x: None)
+    elif primitives.gelu_erf(mx.zeros((64, 8))) is None:
+        pytest.fail("the extension's GELU primitive did not run")
     mx.random.seed(30)
     x = mx.random.normal(shape) * 4  # past the clamp at |x / sqrt 2| = 4, and around 0
     got = gelu_erf(x)
