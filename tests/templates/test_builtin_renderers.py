@@ -36,6 +36,7 @@ from templates import (
     builtin_renderer,
     renderer_for,
 )
+from tests.support.gguf_metadata import gguf_metadata
 
 # --- official templates -----------------------------------------------------------------------
 
@@ -63,11 +64,8 @@ def _from_npm(folder: Path) -> Official:
 
 @pytest.fixture(scope="session")
 def qwen25_official(qwen25_gguf: Path) -> Official:
-    import gguf
-
-    # Parsing the GGUF takes seconds: once per session.
-    field = gguf.GGUFReader(qwen25_gguf).fields["tokenizer.chat_template"]
-    return Official(bytes(field.parts[field.data[0]]).decode("utf-8"), None, "<|im_end|>")
+    template = gguf_metadata(qwen25_gguf)["tokenizer.chat_template"]
+    return Official(template, None, "<|im_end|>")
 
 
 # family -> fixture giving its official template

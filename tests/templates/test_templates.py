@@ -32,6 +32,7 @@ from templates import (
     renderer_for,
 )
 from templates.hf import JsonArguments
+from tests.support.gguf_metadata import gguf_metadata
 
 # Real files come from the fixtures in tests/support/fixtures_real.py (via conftest).
 
@@ -65,27 +66,17 @@ def _from_tokenizer_dir(name: str, folder: Path) -> Source:
 
 
 def _from_gguf(name: str, path: Path) -> Source:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-
-    def scalar(key: str) -> Any:
-        field = reader.fields[key]
-        return field.parts[field.data[0]]
-
-    tokens = reader.fields["tokenizer.ggml.tokens"]
-
-    def token(key: str) -> str:
-        index = int(scalar(key)[0])
-        return bytes(tokens.parts[tokens.data[index]]).decode("utf-8")
-
-    template = bytes(scalar("tokenizer.chat_template")).decode("utf-8")
+    meta = gguf_metadata(path)
+    tokens = meta["tokenizer.ggml.tokens"]
     return Source(
-        name, template, token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
+        name,
+        meta["tokenizer.chat_template"],
+        tokens[meta["tokenizer.ggml.bos_token_id"]],
+        tokens[meta["tokenizer.ggml.eos_token_id"]],
     )
 
 
-# Parsing a GGUF takes seconds: read each once per session.
+# Read each GGUF once per session.
 @pytest.fixture(scope="session")
 def smollm2_source(smollm2_gguf: Path) -> Source:
     return _from_gguf("smollm2", smollm2_gguf)

@@ -48,7 +48,6 @@ def test_lookup_proposes_what_followed_the_longest_recent_match() -> None:
     assert short.propose(8).tokens == (9, 1, 2)  # up to the end, never past it
 
 
-
 def test_lookup_reads_a_copy_on_in_order() -> None:
     """Text copied from the context keeps being read from where the copy is, though the
     n-gram it ends with repeats later in the context (the latest match is elsewhere)."""
@@ -61,6 +60,7 @@ def test_lookup_reads_a_copy_on_in_order() -> None:
     assert lookup.propose(2).tokens == ()
     fresh = Lookup([*context, 1, 2, 3, 4])
     assert fresh.propose(3).tokens == (20, 21, 22)  # with no copy under way: the latest
+
 
 def test_lookup_follows_the_prediction_then_searches_it_first() -> None:
     # the output so far is the prediction's beginning: the rest of it is the draft

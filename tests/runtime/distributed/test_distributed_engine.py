@@ -2,11 +2,12 @@
 architecture, tensor and pipeline parallel, over 2 processes (and over 4 for one model
 per kind of cache: FOUR_RANKS).
 
-One `mlx.launch` per group size (ring backend, loopback) runs tests/
-distributed_engine_worker.py: for each tiny random model (llama, qwen2, qwen3, gemma3
-text with its sliding window, qwen3_moe, glm4_moe, deepseek_v3's MLA, qwen3_next,
-qwen3_5 and qwen3_5_moe hybrids) and each mode, every rank loads its part and serves as
-`mlx-gateway serve --distributed` does: rank 0 an Engine whose LockstepRunner leads, the
+One group per size (ring backend, loopback, started as `mlx.launch` starts them:
+tests/support/ring_launch.py) runs tests/support/distributed_engine_worker.py: for
+each tiny random model (llama, qwen2, qwen3, gemma3 text with its sliding window,
+qwen3_moe, glm4_moe, deepseek_v3's MLA, qwen3_next, qwen3_5 and qwen3_5_moe hybrids)
+and each mode, every rank loads its part and serves as `mlx-gateway serve
+--distributed` does: rank 0 an Engine whose LockstepRunner leads, the
 others follow. Rank 0 submits the same greedy requests the single-process Engine got
 (same runner settings): five at once with mixed prompt lengths (the batch, prefills in
 chunks and riding on decode steps, a one-token prompt), one of them cancelled after two

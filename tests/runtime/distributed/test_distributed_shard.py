@@ -1,9 +1,10 @@
 """Tensor and pipeline parallel (runtime/distributed) across real processes on loopback.
 
-One `mlx.launch` per group size (2 and 4 ranks, ring backend) runs tests/
-distributed_worker.py over a tiny random model of every architecture (and a 4-bit
-MLX-quantized MoE), saved as a checkpoint so that `load_sharded` reads real files, and
-for tensor parallel over models whose head counts and widths 2 and 4 do not divide
+One group per size (2 and 4 ranks, ring backend, started as `mlx.launch` starts them:
+tests/support/ring_launch.py) runs tests/support/distributed_worker.py over a tiny
+random model of every architecture (and a 4-bit MLX-quantized MoE), saved as a
+checkpoint so that `load_sharded` reads real files, and for tensor parallel over models
+whose head counts and widths 2 and 4 do not divide
 (SmolLM2's 9 heads over 3 key/value heads, Qwen2.5-0.5B's 14 over 2, a delta-net's and
 MLA's, a 4-bit one). Each rank, in each mode, compares its logits with the
 single-process run's to 1e-4 in float32 (prefill chunks, decode steps, a batch without
@@ -16,15 +17,10 @@ MLP's split over 2 to 5 ranks: the ranks' partial outputs add up to the whole's.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import math
 import os
-import signal
-import socket
-import subprocess
-import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -41,10 +37,10 @@ from runtime.distributed.layers import balanced_range, head_problem, head_ranges
 from runtime.distributed.pipeline import stage_ranges
 from runtime.distributed.tensor import LAYER_PARTS
 from runtime.models import build_model
+from tests.support.ring_launch import run_ring
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = ROOT / "tests" / "support" / "distributed_worker.py"
-LAUNCH = Path(sys.executable).with_name("mlx.launch")
 TOLERANCE = 1e-4
 LAUNCH_TIMEOUT = 900  # a hang guard, not a bound on speed
 
@@ -550,11 +546,9 @@ def _quantize_folder(src: Path, dst: Path) -> None:
 
 def save_every_architecture(root: Path, reference: Callable[[Any, Path], None]) -> Path:
     """`root` with every tiny model of `_builders` saved in a folder of its own, and
-    `reference(loaded model, folder)` run on each; skips where mlx.launch cannot run."""
+    `reference(loaded model, folder)` run on each; skips where the ring backend cannot run."""
     if not mx.distributed.is_available("ring"):
         pytest.skip("this MLX build has no ring backend (mx.distributed.is_available)")
-    if not LAUNCH.exists():
-        pytest.skip(f"no mlx.launch next to {sys.executable}")
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from runtime.load.loader import load
@@ -630,67 +624,23 @@ def _save_cases(
     return root
 
 
-def _free_ports(count: int) -> int:
-    """A first port from which `count` consecutive ports are free (the ring backend
-    listens on one per rank)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = int(probe.getsockname()[1])
-        if first + count >= 65535:
-            continue
-        try:
-            with contextlib.ExitStack() as stack:
-                for port in range(first, first + count):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
 def launch_workers(
     size: int, worker: Path, cases: Path, out: Path, timeout: float = LAUNCH_TIMEOUT
 ) -> str:
-    """`size` ranks of `worker CASES OUT` under mlx.launch (ring backend, loopback), one
-    BLAS thread each (they share the two cores); their output, once all succeeded."""
-    command = [
-        str(LAUNCH),
-        "-n",
-        str(size),
-        "--backend",
-        "ring",
-        "--starting-port",
-        str(_free_ports(size)),
-        "--python",
-        sys.executable,
-        str(worker),
-        str(cases),
-        str(out),
-    ]
+    """`size` ranks of `worker CASES OUT` (ring backend, loopback, started as mlx.launch
+    starts them: tests/support/ring_launch.py), one BLAS thread each (they share the two
+    cores); their output, once all succeeded."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
         _FLOAT_ROWS[0]: _FLOAT_ROWS[1],
     }
-    proc = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own session: its ranks only
-        output, _ = proc.communicate()
+    argv = [str(worker), str(cases), str(out)]
+    codes, output = run_ring(size, argv, cwd=ROOT, env=env, logs=out, timeout=timeout)
+    if None in codes and all(c in (None, 0) for c in codes):
         pytest.fail(f"{size} ranks did not finish in {timeout} s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"{size} ranks failed:\n{output[-4000:]}"
+    assert codes == [0] * size, f"{size} ranks failed ({codes}):\n{output[-4000:]}"
     return output
 
 

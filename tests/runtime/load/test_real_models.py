@@ -8,6 +8,7 @@ identical to ours.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -75,12 +76,36 @@ def _reference(gguf: Path, prompts: list[list[int]]) -> list[list[int]]:
     return out
 
 
+@dataclass(frozen=True)
+class FloatPath:
+    """One GGUF on the float path: the model, PROMPTS' ids and its greedy tokens."""
+
+    loaded: LoadedModel
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+
+
+@pytest.fixture(scope="module")
+def float_paths() -> dict[str, FloatPath]:
+    """Each model's float path, loaded and decoded once for both tests below (a model
+    without quantized layers: the decode rows' setting does not reach it)."""
+    return {}
+
+
+def _float_path(fixture: str, request: pytest.FixtureRequest) -> tuple[Path, FloatPath]:
+    gguf: Path = request.getfixturevalue(fixture)
+    paths: dict[str, FloatPath] = request.getfixturevalue("float_paths")
+    if fixture not in paths:
+        loaded = load(gguf, keep_quantized=False)
+        prompts = [_prompt_ids(loaded, p) for p in PROMPTS]
+        paths[fixture] = FloatPath(loaded, prompts, [_ours(loaded, ids) for ids in prompts])
+    return gguf, paths[fixture]
+
+
 @pytest.mark.parametrize("fixture", ["smollm2_gguf", "qwen25_gguf"])
 def test_greedy_tokens_match_transformers(fixture: str, request: pytest.FixtureRequest) -> None:
-    gguf: Path = request.getfixturevalue(fixture)
-    loaded = load(gguf, keep_quantized=False)
-    prompts = [_prompt_ids(loaded, p) for p in PROMPTS]
-    ours = [_ours(loaded, ids) for ids in prompts]
+    gguf, path = _float_path(fixture, request)
+    loaded, prompts, ours = path.loaded, path.prompts, path.tokens
     ref = _reference(gguf, prompts)
     for text, a, b in zip(PROMPTS, ours, ref, strict=True):
         assert a == b, (
@@ -97,11 +122,10 @@ def test_quantized_path_tracks_the_float_path(fixture: str, request: pytest.Fixt
     block of 32: runtime/kernels/qdot.c) against the float path on the float path's own
     greedy tokens, teacher-forced through decode steps: the logits stay close and pick
     the same token. (Against llama.cpp: bench/greedy_agreement.py.)"""
-    gguf: Path = request.getfixturevalue(fixture)
-    floats, served = load(gguf, keep_quantized=False), load(gguf)
+    gguf, path = _float_path(fixture, request)
+    floats, served = path.loaded, load(gguf)
     assert served.quantized and served.weight_format == "gguf-native"
-    ids = _prompt_ids(floats, PROMPTS[0])
-    tokens = _ours(floats, ids)
+    ids, tokens = path.prompts[0], path.tokens[0]
     want = _decode_logits(floats, ids, tokens)
     got = _decode_logits(served, ids, tokens)
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9

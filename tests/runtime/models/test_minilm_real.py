@@ -71,12 +71,22 @@ def _sentences() -> list[str]:
     return out
 
 
-def test_minilm_equals_sentence_transformers(all_minilm_dir: Path) -> None:
-    sentences = _sentences()
+@pytest.fixture(scope="module")
+def sentences() -> list[str]:
+    return _sentences()
+
+
+@pytest.fixture(scope="module")
+def reference(all_minilm_dir: Path, sentences: list[str]) -> np.ndarray:
+    """sentence-transformers' embeddings of `sentences`, once for both tests."""
+    model = st.SentenceTransformer(str(all_minilm_dir), device="cpu")
+    return np.asarray(model.encode(sentences, batch_size=64))
+
+
+def test_minilm_equals_sentence_transformers(
+    all_minilm_dir: Path, sentences: list[str], reference: np.ndarray
+) -> None:
     assert len(sentences) >= 250
-    reference = st.SentenceTransformer(str(all_minilm_dir), device="cpu").encode(
-        sentences, batch_size=64
-    )
     loaded = load_encoder(all_minilm_dir)
     assert loaded.max_length == 256 and loaded.width == 384
     items = EncoderTokenizer(loaded.tokenizer, lowercase=loaded.lowercase).texts(
@@ -93,14 +103,10 @@ def test_minilm_equals_sentence_transformers(all_minilm_dir: Path) -> None:
 
 
 def test_minilm_from_gguf_equals_sentence_transformers(
-    all_minilm_dir: Path, tmp_path: Path
+    all_minilm_dir: Path, sentences: list[str], reference: np.ndarray, tmp_path: Path
 ) -> None:
     """The same model as llama.cpp's converter writes it: normalized mean pooling, and
     the same ids (its WordPiece respelled back) cut at the same 256 tokens."""
-    sentences = _sentences()
-    reference = st.SentenceTransformer(str(all_minilm_dir), device="cpu").encode(
-        sentences, batch_size=64
-    )
     path = tmp_path / "all-minilm-l6-v2-f32.gguf"
     write_bert_gguf(all_minilm_dir, path)
     loaded = load_encoder(path)
