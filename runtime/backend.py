@@ -37,13 +37,6 @@ PIP_OPENBLAS = "pip:openblas"
 # threads want those cores (bench/blas.py, pip's OpenBLAS: prefill 1.1x faster with it on
 # an idle machine, 1.35x on a busy one).
 OPENBLAS_ENV = {"OPENBLAS_THREAD_TIMEOUT": "4"}
-# AMD processors with AVX-512 (Zen 4 and 5) are not ones OpenBLAS 0.3.21-0.3.34 knows: it
-# falls back to its Haswell (AVX2) kernels. Told they are SkylakeX, it runs its AVX-512
-# ones, which these processors execute: on this machine's Zen 5, Qwen2.5-0.5B's prefill
-# went from 236-245 to 357-358 tokens/s (4,096 tokens) and MiniLM from 218 to 302-320
-# embeddings/s, with a third less CPU time.
-OPENBLAS_CORETYPE = "OPENBLAS_CORETYPE"
-_SKYLAKEX_FLAGS = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
 _SHIM_GLOB = "_blas_shim*.so"
 
 
@@ -122,27 +115,6 @@ def cpu_vendor() -> str:
     return ""
 
 
-def cpu_flags() -> frozenset[str]:
-    """The processor's feature flags as Linux reports them (empty where it does not)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def openblas_env() -> dict[str, str]:
-    """What an OpenBLAS about to load is told (OPENBLAS_ENV, and the core type on an AMD
-    processor with AVX-512)."""
-    env = dict(OPENBLAS_ENV)
-    if cpu_vendor() == "AuthenticAMD" and cpu_flags() >= _SKYLAKEX_FLAGS:
-        env[OPENBLAS_CORETYPE] = "SkylakeX"
-    return env
-
-
 def _candidates(intel: bool) -> list[tuple[str, str]]:
     """Every BLAS found, best first for this processor. A system OpenBLAS goes before
     pip's: as fast on one thread, but Debian 12's (0.3.21) yields the processor while its
@@ -156,7 +128,7 @@ def _candidates(intel: bool) -> list[tuple[str, str]]:
 def _load(path: str, source: str) -> None:
     """Load one candidate with RTLD_GLOBAL (OSError when it cannot serve MLX)."""
     if "openblas" in os.path.basename(path):
-        for key, value in openblas_env().items():
+        for key, value in OPENBLAS_ENV.items():
             os.environ.setdefault(key, value)
     ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     if source != PIP_OPENBLAS:

@@ -21,8 +21,7 @@ SHIM = "/repo/runtime/_blas_shim.so"
 OPENBLAS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0", "system:openblas")
 PIP_MKL = ("/venv/lib/libmkl_rt.so.2", "pip:mkl")
 SYSTEM_MKL = ("libmkl_rt.so", "system:mkl")
-OPENBLAS_VARIABLES = (*backend.OPENBLAS_ENV, backend.OPENBLAS_CORETYPE)
-AVX512 = frozenset({"avx2", "fma", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
+OPENBLAS_VARIABLES = tuple(backend.OPENBLAS_ENV)
 
 
 class _Library:
@@ -204,37 +203,3 @@ def test_mkl_loads_without_openblas_settings(
     monkeypatch.setattr(backend, "cpu_vendor", lambda: "GenuineIntel")
     assert backend.configure_blas() == backend.BlasChoice(*PIP_MKL)
     assert not any(key in os.environ for key in OPENBLAS_VARIABLES)
-
-
-@pytest.mark.parametrize(
-    ("vendor", "flags", "told"),
-    [
-        ("AuthenticAMD", AVX512, "SkylakeX"),  # Zen 4 and 5: OpenBLAS would take Haswell
-        ("AuthenticAMD", frozenset({"avx2", "fma"}), None),  # Zen 1-3: its own choice
-        ("GenuineIntel", AVX512, None),  # Intel processors OpenBLAS knows by model
-    ],
-)
-def test_openblas_runs_its_avx512_kernels_on_amd_processors_that_have_them(
-    loads: list[str],
-    monkeypatch: pytest.MonkeyPatch,
-    vendor: str,
-    flags: frozenset[str],
-    told: str | None,
-) -> None:
-    monkeypatch.setattr(backend, "cpu_vendor", lambda: vendor)
-    monkeypatch.setattr(backend, "cpu_flags", lambda: flags)
-    monkeypatch.setattr(backend, "_pip_candidates", lambda: [])
-    monkeypatch.setattr(backend, "_system_mkl", lambda: [])
-    assert backend.configure_blas().source == "system:openblas"
-    assert os.environ.get(backend.OPENBLAS_CORETYPE) == told
-    assert os.environ["OPENBLAS_THREAD_TIMEOUT"] == "4"
-
-
-def test_a_core_type_the_user_set_is_kept(
-    loads: list[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(backend, "cpu_vendor", lambda: "AuthenticAMD")
-    monkeypatch.setattr(backend, "cpu_flags", lambda: AVX512)
-    monkeypatch.setenv(backend.OPENBLAS_CORETYPE, "Zen")
-    backend.configure_blas()
-    assert os.environ[backend.OPENBLAS_CORETYPE] == "Zen"
