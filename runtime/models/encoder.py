@@ -87,6 +87,38 @@ def first_token(hidden: mx.array, padding: Sequence[int]) -> mx.array:
     return mx.take_along_axis(hidden, index, axis=1)[:, 0]
 
 
+def attend_padded_runs(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    padding: Sequence[int],
+    causal: bool,
+) -> mx.array | None:
+    """(B, H, L, D) attention of left-padded rows through the CPU attention primitive,
+    each run of rows with the same padding without it (it skips padding only before a
+    query block, a cache's); the padded queries' outputs are zeros. None where the
+    primitive does not run (the caller's MLX attention under a mask then)."""
+    if not (cpu_kernels.can_attend(q, k) and v.shape == k.shape):
+        return None
+    outs = []
+    start = 0
+    while start < len(padding):
+        pad, end = padding[start], start + 1
+        while end < len(padding) and padding[end] == pad:
+            end += 1
+        rows = slice(start, end)
+        out = cpu_kernels.attend(
+            q[rows, :, pad:], k[rows, :, pad:], v[rows, :, pad:], scale=scale, causal=causal
+        )
+        if out is None:
+            return None
+        outs.append(mx.pad(out, [(0, 0), (0, 0), (pad, 0), (0, 0)]) if pad else out)
+        start = end
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
 def bidirectional_attention(
     q: mx.array, k: mx.array, v: mx.array, *, scale: float, padding: Sequence[int]
 ) -> mx.array:
@@ -97,24 +129,9 @@ def bidirectional_attention(
     primitive without its padding (it skips padding only before a query block, a
     cache's); a piece's rows come longest first, so the runs are few. Elsewhere, or
     without the primitive, MLX's attention under a key mask."""
-    if cpu_kernels.can_attend(q, k) and v.shape == k.shape:
-        outs = []
-        start = 0
-        while start < len(padding):
-            pad = padding[start]
-            end = start + 1
-            while end < len(padding) and padding[end] == pad:
-                end += 1
-            rows = slice(start, end)
-            out = cpu_kernels.attend(
-                q[rows, :, pad:], k[rows, :, pad:], v[rows, :, pad:], scale=scale, causal=False
-            )
-            if out is None:
-                break
-            outs.append(mx.pad(out, [(0, 0), (0, 0), (pad, 0), (0, 0)]) if pad else out)
-            start = end
-        else:
-            return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    out = attend_padded_runs(q, k, v, scale=scale, padding=padding, causal=False)
+    if out is not None:
+        return out
     if not any(padding):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
     keys = key_mask(padding, k.shape[2])[:, None, None, :]

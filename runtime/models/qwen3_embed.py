@@ -35,10 +35,10 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.linear import Linear
 
-from runtime import kernels as cpu_kernels
 from runtime.models import qwen3
 from runtime.models.base import FULL_ATTENTION
 from runtime.models.decoder import DecoderLayer, LayerStack, decoder_weights
+from runtime.models.encoder import attend_padded_runs
 from runtime.models.rope import RoPE
 
 
@@ -109,23 +109,9 @@ def causal_attention(
     few), as runtime/models/encoder.py's bidirectional attention does. Elsewhere MLX's
     attention under a mask where a real query sees its row's real keys up to itself
     (and a padded one the padding before it: a finite row)."""
-    if cpu_kernels.can_attend(q, k) and v.shape == k.shape:
-        outs = []
-        start = 0
-        while start < len(padding):
-            pad, end = padding[start], start + 1
-            while end < len(padding) and padding[end] == pad:
-                end += 1
-            rows = slice(start, end)
-            out = cpu_kernels.attend(
-                q[rows, :, pad:], k[rows, :, pad:], v[rows, :, pad:], scale=scale, causal=True
-            )
-            if out is None:
-                break
-            outs.append(mx.pad(out, [(0, 0), (0, 0), (pad, 0), (0, 0)]) if pad else out)
-            start = end
-        else:
-            return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    out = attend_padded_runs(q, k, v, scale=scale, padding=padding, causal=True)
+    if out is not None:
+        return out
     if not any(padding):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
     cols = mx.arange(q.shape[2], dtype=mx.int32)
