@@ -229,9 +229,11 @@ def test_a_draft_model_with_the_target_s_weights_has_every_draft_accepted(
         engine.stop()
     for (tokens, _), (ref, _) in zip([*alone[:2], *batched[:2]], want * 2, strict=True):
         assert tokens == ref
-    for _, done in [*alone, *batched]:
+    for i, (_, done) in enumerate([*alone, *batched]):
         s = done.stats
-        assert s.drafted_tokens > 0
+        # the sampled row draws without a seed: it may end at EOS before any step drafts
+        # (3 tokens in one run); the greedy rows always write their 40
+        assert s.drafted_tokens > 0 or (i % 3 == 2 and done.reason is FinishReason.STOP)
         if done.reason is FinishReason.LENGTH:  # (a row ending at EOS skips its draft's rest)
             assert s.accepted_tokens == s.drafted_tokens
     assert reused > 0  # the second run of each prompt: the draft's own trie held it
