@@ -447,16 +447,25 @@ def propose_all(lookups: Sequence[Lookup | None], counts: Sequence[int]) -> list
         owned: list[ModelLookup] = rows  # type: ignore[assignment]
         owner = owned[0].owner
         assert owner is not None
-        try:
-            drafts = owner.draft_rows(owned, [counts[i] for i in group])
-        except Exception:
-            log.exception("the draft model failed; its rows draft by prompt lookup")
-            for row in owned:
-                row.fail()
-            drafts = [row.propose(counts[i]) for row, i in zip(owned, group, strict=True)]
+        drafts = draft_or_look_up(owner, owned, [counts[i] for i in group], "the draft model")
         for i, d in zip(group, drafts, strict=True):
             out[i] = d
     return out
+
+
+def draft_or_look_up(
+    owner: Any, rows: Sequence[Any], counts: Sequence[int], what: str
+) -> list[Draft]:
+    """`owner.draft_rows(rows, counts)` (a draft model's or an MTP head's rows); where it
+    fails, each row drafts by prompt lookup from then on (`fail`), and now."""
+    try:
+        drafts: list[Draft] = owner.draft_rows(rows, counts)
+    except Exception:
+        log.exception("%s failed; its rows draft by prompt lookup", what)
+        for row in rows:
+            row.fail()
+        drafts = [row.propose(k) for row, k in zip(rows, counts, strict=True)]
+    return drafts
 
 
 def weight_ratio(draft: Any, target: Any) -> float:

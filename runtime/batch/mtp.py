@@ -56,7 +56,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from runtime import kernels as cpu_kernels
-from runtime.batch.draft_model import propose_all
+from runtime.batch.draft_model import draft_or_look_up, propose_all
 from runtime.batch.drafts import Draft, DraftTiming, Lookup
 from runtime.batch.rejection import draws, probabilities
 from runtime.batch.sequence import Seq
@@ -355,13 +355,7 @@ def propose_every(lookups: Sequence[Lookup | None], counts: Sequence[int]) -> li
     rows: list[MTPLookup] = [lookups[i] for i in heads]  # type: ignore[misc]
     owner = rows[0].owner
     assert owner is not None
-    try:
-        drafts = owner.draft_rows(rows, [counts[i] for i in heads])
-    except Exception:
-        log.exception("the MTP head failed; its rows draft by prompt lookup")
-        for row in rows:
-            row.fail()
-        drafts = [row.propose(counts[i]) for row, i in zip(rows, heads, strict=True)]
+    drafts = draft_or_look_up(owner, rows, [counts[i] for i in heads], "the MTP head")
     for i, d in zip(heads, drafts, strict=True):
         out[i] = d
     return out
