@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from runtime.batch.draft_model import draft_or_look_up
 from runtime.batch.drafts import Draft, DraftLength, Lookup
 from runtime.batch.handle import RequestHandle, ThreadSink
 from runtime.batch.rejection import draws, judge, probabilities
@@ -489,3 +490,27 @@ def test_a_long_prompt_s_draft_model_reads_a_chunk_a_step_while_the_others_decod
     assert max(math.prod(n) for n, _ in calls) <= CHUNK  # every forward of the draft
     assert second.drafts.accepted > 0 and first.drafts.drafted > drafted
     assert run.outputs() == want
+
+
+def test_a_failing_drafter_s_rows_draft_by_prompt_lookup_from_then_on() -> None:
+    """A draft model or MTP head whose forward raises: each of its rows is told (`fail`,
+    after which it drafts by lookup) and drafts by lookup in this very step."""
+
+    class Owner:
+        def draft_rows(self, rows: Any, counts: Any) -> list[Draft]:
+            raise RuntimeError("out of memory")
+
+    class Row:
+        def __init__(self, tokens: tuple[int, ...]) -> None:
+            self.tokens, self.failed = tokens, False
+
+        def fail(self) -> None:
+            self.failed = True
+
+        def propose(self, k: int) -> Draft:
+            return Draft(self.tokens[:k])
+
+    rows = [Row((1, 2, 3)), Row((4, 5))]
+    drafts = draft_or_look_up(Owner(), rows, [2, 5], "the draft model")
+    assert [d.tokens for d in drafts] == [(1, 2), (4, 5)]
+    assert all(r.failed for r in rows)
