@@ -26,6 +26,7 @@ from runtime.kernels.primitives import (
     GATED_ACTIVATIONS,
     SMALL_ROWS,
     Packed,
+    active,
     append_rows,
     attend,
     attend_rows,
@@ -40,6 +41,8 @@ from runtime.kernels.primitives import (
     rms_norm,
     rope,
     rows_ready,
+    steady,
+    symmetric_biases,
 )
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "SMALL_ROWS",
     "Kernels",
     "Packed",
+    "active",
     "append_rows",
     "attend",
     "attend_rows",
@@ -72,5 +76,7 @@ __all__ = [
     "rms_norm",
     "rope",
     "rows_ready",
+    "steady",
+    "symmetric_biases",
     "thread_count",
 ]

@@ -27,9 +27,12 @@ import importlib.metadata
 import logging
 import platform
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -103,11 +106,52 @@ def on_cpu() -> bool:
     return bool(mx.default_device() == mx.cpu)
 
 
-def active() -> ModuleType | None:
-    """The extension when its kernels should run: on the CPU, enabled, loaded."""
+def _active() -> ModuleType | None:
     if not on_cpu() or not enabled():
         return None
     return extension()
+
+
+class Switches(NamedTuple):
+    """What every primitive call reads from the device and the environment."""
+
+    ext: ModuleType | None  # the extension when its kernels should run (`active`)
+    threads: int
+    generic: bool
+    x_bits: int
+
+
+def _read_switches() -> Switches:
+    return Switches(_active(), thread_count(), _generic(), activation_bits())
+
+
+_held = threading.local()
+
+
+@contextmanager
+def steady() -> Iterator[None]:
+    """Within it, the switches are read once on this thread: a forward's few hundred
+    primitive calls then share one reading (the environment is read per call otherwise,
+    because tests change it between calls; nothing changes it inside a forward)."""
+    if getattr(_held, "switches", None) is not None:
+        yield
+        return
+    _held.switches = _read_switches()
+    try:
+        yield
+    finally:
+        _held.switches = None
+
+
+def switches() -> Switches:
+    held: Switches | None = getattr(_held, "switches", None)
+    return held if held is not None else _read_switches()
+
+
+def active() -> ModuleType | None:
+    """The extension when its kernels should run: on the CPU, enabled, loaded."""
+    held: Switches | None = getattr(_held, "switches", None)
+    return held.ext if held is not None else _active()
 
 
 def quantized_ready() -> bool:
@@ -127,8 +171,10 @@ def qmatmul(
     transpose: bool = True,
 ) -> mx.array:
     """x @ dequantize(w).T (``transpose``) for an affine-quantized weight: the CPU
-    primitive where it applies (float32 out), else `mx.quantized_matmul`."""
-    ext = active() if transpose and mode == "affine" and biases is not None else None
+    primitive where it applies (float32 out), else `mx.quantized_matmul`. Affine
+    without `biases`: symmetric groups (`symmetric_biases`)."""
+    sw = switches()
+    ext = sw.ext if transpose and mode == "affine" else None
     if ext is not None and x.ndim >= 1 and w.ndim == 2:
         out: mx.array = ext.quantized_matmul(
             x,
@@ -137,12 +183,14 @@ def qmatmul(
             biases,
             group_size=group_size,
             bits=bits,
-            threads=thread_count(),
-            generic=_generic(),
+            threads=sw.threads,
+            generic=sw.generic,
             small_rows=SMALL_ROWS,
-            x_bits=activation_bits(),
+            x_bits=sw.x_bits,
         )
         return out
+    if biases is None and mode == "affine":
+        biases = symmetric_biases(scales, bits)
     return mx.quantized_matmul(
         x,
         w,
@@ -155,14 +203,21 @@ def qmatmul(
     )
 
 
+def symmetric_biases(scales: mx.array, bits: int) -> mx.array:
+    """The biases of symmetric groups, which a weight kept without them implies: value =
+    scale * (q - 2^(bits - 1)), GGUF's Q4_0, Q5_0 and Q8_0 (runtime/models/linear.py
+    `drop_symmetric_biases`). Exact: a power of two times each scale."""
+    return scales * -(2 ** (bits - 1))
+
+
 @dataclass(frozen=True)
 class Packed:
     """One affine-quantized weight as `qmatmuls` takes it (a quantized linear layer's
-    arrays): x @ dequantize(w).T + bias."""
+    arrays): x @ dequantize(w).T + bias; no `biases`: symmetric groups."""
 
     w: mx.array
     scales: mx.array
-    biases: mx.array
+    biases: mx.array | None
     bias: mx.array | None
     group_size: int
     bits: int
@@ -177,7 +232,8 @@ def qmatmuls(x: mx.array, weights: Sequence[Packed], activation: str = "") -> li
     rounded once): a layer's q, k and v, or with `activation` ("silu", "gelu_tanh") a
     gated pair's act(x @ W0.T) * (x @ W1.T) as one output. None where the primitive does
     not run (not the CPU, no extension): the caller multiplies one weight at a time."""
-    ext = active()
+    sw = switches()
+    ext = sw.ext
     if ext is None or x.ndim < 1 or not 1 <= len(weights) <= 8:
         return None
     outs: list[mx.array] = ext.quantized_matmuls(
@@ -189,10 +245,10 @@ def qmatmuls(x: mx.array, weights: Sequence[Packed], activation: str = "") -> li
         group_size=[p.group_size for p in weights],
         bits=[p.bits for p in weights],
         activation=activation,
-        threads=thread_count(),
-        generic=_generic(),
+        threads=sw.threads,
+        generic=sw.generic,
         small_rows=SMALL_ROWS,
-        x_bits=activation_bits(),
+        x_bits=sw.x_bits,
     )
     return outs
 
@@ -227,12 +283,13 @@ def attend(
     last L positions; `causal` hides each query's future; `starts`: each batch row's
     first key, its left padding skipped) as a CPU primitive: (B, Hq, L, D) in q's dtype.
     None where it does not run (not the CPU, no extension, a head over 512 wide)."""
-    ext = active()
+    sw = switches()
+    ext = sw.ext
     if ext is None or not can_attend(q, k) or v.shape != k.shape:
         return None
     first = None if starts is None else mx.array(list(starts), dtype=mx.int32)
     out: mx.array = ext.attention(
-        q, k, v, first, scale=scale, causal=causal, threads=thread_count(), generic=_generic()
+        q, k, v, first, scale=scale, causal=causal, threads=sw.threads, generic=sw.generic
     )
     # (B, L, Hq, D) memory seen as (B, Hq, L, D): the caller's transpose back is free
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
@@ -269,12 +326,13 @@ def attend_rows(
     values are the first lengths[b] columns of keys[b] and values[b] (1, Hkv, C, D), its
     queries its last L positions. The same bits as `attend` over the rows left-padded in
     one buffer. None where it does not run."""
-    ext = active()
+    sw = switches()
+    ext = sw.ext
     if ext is None or not keys or not can_attend(q, keys[0]):
         return None
     out: mx.array = ext.attention_rows(
         q, list(keys), list(values), list(lengths), scale=scale, causal=True,
-        threads=thread_count(), generic=_generic(),
+        threads=sw.threads, generic=sw.generic,
     )  # fmt: skip
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
@@ -292,15 +350,16 @@ def quantized_attention_rows(
     keys and values are (codes, scales, biases) whose first lengths[b] columns it holds;
     the kernel dequantizes a key block at a time, a row at a time (each row on its own:
     the bits of the rows left-padded). None where it does not run."""
-    ext = active()
+    sw = switches()
+    ext = sw.ext
     if ext is None or q.ndim != 4 or q.shape[-1] > MAX_HEAD_DIM or bits not in (4, 8):
         return None
     if group_size % 8 or q.shape[-1] % group_size:
         return None
     out: mx.array = ext.quantized_attention_rows(
         q, [list(k) for k, _ in rows], [list(v) for _, v in rows], list(lengths), bits=bits,
-        group_size=group_size, scale=scale, causal=True, threads=thread_count(),
-        generic=_generic(),
+        group_size=group_size, scale=scale, causal=True, threads=sw.threads,
+        generic=sw.generic,
     )  # fmt: skip
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
@@ -308,10 +367,11 @@ def quantized_attention_rows(
 def gelu_erf(x: mx.array) -> mx.array | None:
     """The exact (erf) GELU of float32 `x` as one CPU primitive, or None where it does not
     run (the ctypes kernel or MLX's ops then: runtime/kernels/gelu.py)."""
-    ext = active()
+    sw = switches()
+    ext = sw.ext
     if ext is None or x.dtype != mx.float32 or not hasattr(ext, "gelu_erf"):
         return None
-    out: mx.array = ext.gelu_erf(x, threads=thread_count(), generic=_generic())
+    out: mx.array = ext.gelu_erf(x, threads=sw.threads, generic=sw.generic)
     return out
 
 
@@ -361,12 +421,15 @@ def dequantize(
     mode: str = "affine",
 ) -> mx.array:
     """The float weight of a quantized triplet: the CPU primitive (float32, threaded)
-    where it applies, else `mx.dequantize`."""
-    ext = active() if mode == "affine" and biases is not None and w.ndim == 2 else None
+    where it applies, else `mx.dequantize` (affine without biases: symmetric groups)."""
+    sw = switches()
+    ext = sw.ext if mode == "affine" and w.ndim == 2 else None
     if ext is not None:
         out: mx.array = ext.dequantize(
-            w, scales, biases, group_size=group_size, bits=bits, threads=thread_count(),
-            generic=_generic(),
+            w, scales, biases, group_size=group_size, bits=bits, threads=sw.threads,
+            generic=sw.generic,
         )  # fmt: skip
         return out
+    if biases is None and mode == "affine":
+        biases = symmetric_biases(scales, bits)
     return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode)

@@ -192,7 +192,9 @@ INLINE_QDOT void feature_rows(const QDot *a, int bits, int mr, int64_t n, int64_
     int64_t blk = 0;
     for (int64_t g = 0; g < groups; g++) {
         const float s = scale_at(a->stype, a->scales, n * groups + g);
-        const float b = scale_at(a->stype, a->biases, n * groups + g) + half * s;
+        /* symmetric: -half * s + half * s */
+        const float b = a->sym ? (bits == 8 ? 0.0f : -(float)(1 << (bits - 1)) * s)
+                               : scale_at(a->stype, a->biases, n * groups + g) + half * s;
         for (int r = 0; r < mr; r++) bias[r] += b * a->xsum[(m0 + r) * groups + g];
         for (int i = 0; i < per_group; i++, blk++) {
             __m256i w = bits == 4   ? weights4(row, blk)
@@ -249,7 +251,8 @@ INLINE_QDOT void feature_rows_wide(const QDot *a, int bits, int mr, int64_t n, i
     if (per_group == 1) {
         for (; blk + 8 <= blocks; blk += 8) {
             const __m256 sv = scales8(a->stype, a->scales, n * groups + blk);
-            const __m256 bv = scales8(a->stype, a->biases, n * groups + blk);
+            const __m256 bv = a->sym ? _mm256_mul_ps(sv, _mm256_set1_ps(-(float)(1 << (bits - 1))))
+                                     : scales8(a->stype, a->biases, n * groups + blk);
             float fs[QDOT_ROWS][8];
             for (int r = 0; r < mr; r++) {
                 const int64_t m = m0 + r;
@@ -272,7 +275,8 @@ INLINE_QDOT void feature_rows_wide(const QDot *a, int bits, int mr, int64_t n, i
     }
     for (int64_t g = blk / per_group; g < groups; g++) {
         const float s = scale_at(a->stype, a->scales, n * groups + g);
-        const float b = scale_at(a->stype, a->biases, n * groups + g);
+        const float b = a->sym ? -(float)(1 << (bits - 1)) * s
+                               : scale_at(a->stype, a->biases, n * groups + g);
         for (int r = 0; r < mr; r++) bias[r] += b * a->xsum[(m0 + r) * groups + g];
         for (int i = 0; i < per_group; i++, blk++) {
             __m256i lo, hi;
@@ -434,9 +438,10 @@ static int x_layout(int bits, int wide) {
 }
 
 static int qdot_refuses(const MlxgwQProj *p, int64_t depth) {
+    const int32_t st = p->stype & ~MLXGW_SYMMETRIC;
     return p->bits < 2 || p->bits > 8 || p->bits == 7 ||
            (p->group_size != 32 && p->group_size != 64 && p->group_size != 128) ||
-           p->stype < 0 || p->stype > 2 || p->cols < 1 || depth < p->group_size ||
+           st < 0 || st > 2 || p->cols < 1 || depth < p->group_size ||
            depth % p->group_size != 0;
 }
 #endif
@@ -486,8 +491,9 @@ EXPORT int mlxgw_qdot_many(const float *x, int64_t rows, int64_t in_features,
             quantize_rows(x, rows, in_features, pr->bits, pr->group_size, wide, xq, xs, xsum);
         }
         parts[p] = (QDot){xq, xs, xsum, pr->w, pr->scales, pr->biases, pr->out, rows,
-                          in_features, pr->cols, groups, pr->bits, pr->group_size, pr->stype,
-                          wide, 0};
+                          in_features, pr->cols, groups, pr->bits, pr->group_size,
+                          pr->stype & ~MLXGW_SYMMETRIC, wide, (pr->stype & MLXGW_SYMMETRIC) != 0,
+                          0};
         bias[p] = pr->bias;
         chunk[p] = span_items(pr->cols, threads, QDOT_CHUNK);
         first[p + 1] = first[p] + (pr->cols + chunk[p] - 1) / chunk[p];
@@ -539,7 +545,7 @@ typedef struct {
     const void *scales, *biases;
     float *dst;
     int64_t n0, n1, depth, groups, next, chunk;
-    int32_t bits, group_size, stype;
+    int32_t bits, group_size, stype, sym;
 } Dequant;
 
 TARGET_QDOT static void dequant_feature(const Dequant *a, int bits, int64_t n) {
@@ -549,8 +555,10 @@ TARGET_QDOT static void dequant_feature(const Dequant *a, int bits, int64_t n) {
     float *out = a->dst + (n - a->n0) * depth;
     int64_t blk = 0;
     for (int64_t g = 0; g < groups; g++) {
-        const __m256 s = _mm256_set1_ps(scale_at(a->stype, a->scales, n * groups + g));
-        const __m256 b = _mm256_set1_ps(scale_at(a->stype, a->biases, n * groups + g));
+        const float sf = scale_at(a->stype, a->scales, n * groups + g);
+        const __m256 s = _mm256_set1_ps(sf);
+        const __m256 b = _mm256_set1_ps(a->sym ? -(float)(1 << (bits - 1)) * sf
+                                               : scale_at(a->stype, a->biases, n * groups + g));
         for (int i = 0; i < per_group; i++, blk++) {
             __m256i q = natural_bytes(bits, row, blk);
             __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
@@ -591,6 +599,8 @@ EXPORT int mlxgw_dequantize_avx2(const uint32_t *w, const void *scales, const vo
                                  int64_t out_features, int32_t bits, int32_t group_size,
                                  int32_t stype, int32_t threads, int32_t generic) {
 #if HAVE_X86_DISPATCH
+    const int32_t sym = (stype & MLXGW_SYMMETRIC) != 0;
+    stype &= ~MLXGW_SYMMETRIC;
     if (generic || !qdot_supported() || bits < 2 || bits > 8 || bits == 7 ||
         (group_size != 32 && group_size != 64 && group_size != 128) || stype < 0 ||
         stype > 2 || n0 < 0 || n1 > out_features || n0 >= n1 || in_features < group_size ||
@@ -599,7 +609,7 @@ EXPORT int mlxgw_dequantize_avx2(const uint32_t *w, const void *scales, const vo
     pthread_once(&unpackers_once, build_unpackers);
     const int64_t chunk = span_items(n1 - n0, threads, QDOT_CHUNK);
     Dequant a = {w, scales, biases, dst, n0, n1, in_features, in_features / group_size, 0,
-                 chunk, bits, group_size, stype};
+                 chunk, bits, group_size, stype, sym};
     int64_t items = (n1 - n0 + chunk - 1) / chunk;
     if (threads < 1) threads = 1;
     if (threads > items) threads = (int32_t)items;

@@ -17,6 +17,7 @@ typedef struct {
     float *out;
     int64_t rows, depth, cols, groups;
     int32_t bits, group_size, stype, wide; /* wide: x as int16 */
+    int32_t sym; /* no biases: a group's bias is -2^(bits - 1) times its scale */
     int64_t next;
 } QDot;
 

@@ -143,7 +143,8 @@ INLINE_512 void rows512(const QDot *a, int bits, int mr, int64_t n, int64_t m0) 
     if (per_group == 1) { /* eight groups' scales, biases and bias terms at a time */
         for (; blk + 8 <= blocks; blk += 8) {
             const __m256 sv = scales8(a->stype, a->scales, n * groups + blk);
-            const __m256 bv = scales8(a->stype, a->biases, n * groups + blk);
+            const __m256 bv = a->sym ? _mm256_mul_ps(sv, _mm256_set1_ps(-(float)(1 << (bits - 1))))
+                                     : scales8(a->stype, a->biases, n * groups + blk);
             float fs[ROWS_512][8];
             for (int r = 0; r < mr; r++) {
                 const int64_t m = m0 + r;
@@ -159,7 +160,8 @@ INLINE_512 void rows512(const QDot *a, int bits, int mr, int64_t n, int64_t m0) 
     }
     for (int64_t g = blk / per_group; g < groups; g++) {
         const float s = scale1(a->stype, a->scales, n * groups + g);
-        const float b = scale1(a->stype, a->biases, n * groups + g);
+        const float b = a->sym ? -(float)(1 << (bits - 1)) * s
+                               : scale1(a->stype, a->biases, n * groups + g);
         for (int r = 0; r < mr; r++) bias[r] += b * a->xsum[(m0 + r) * groups + g];
         for (int i = 0; i < per_group; i++, blk++) {
             const __m512i w = weights512(bits, row, blk, last);

@@ -19,6 +19,7 @@
  */
 
 #include "common.h"
+#include "quantized.h"
 
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint64_t v4q __attribute__((vector_size(32)));
@@ -48,6 +49,7 @@ typedef struct {
     const float *xsum;    /* [rows, K / gs]: sum of x over each group */
     int64_t rows, depth, cols, groups;
     int32_t bits, group_size, stype;
+    int32_t sym; /* no biases (MLXGW_SYMMETRIC): every bias is -half * scale */
 } QArgs;
 
 typedef struct {
@@ -175,6 +177,10 @@ INLINE void features(int bits, int nb, const QArgs *a, QScratch *s, int64_t n) {
     for (int j = 0; j < nb; j++) {
         float *sc = s->sc + j * groups, *bi = s->bias + j * groups;
         scales_to_float(a->stype, scale_row(a->stype, a->scales, n + j, groups), groups, sc);
+        if (a->sym) { /* -half * s, centred: 0 */
+            memset(bi, 0, (size_t)groups * sizeof(float));
+            continue;
+        }
         scales_to_float(a->stype, scale_row(a->stype, a->biases, n + j, groups), groups, bi);
         for (int64_t g = 0; g < groups; g++) bi[g] += half * sc[g];
     }
@@ -276,11 +282,13 @@ EXPORT int mlxgw_quantized_matmul(const float *x, const uint32_t *w, const void 
                                   int64_t in_features, int64_t out_features, int32_t bits,
                                   int32_t group_size, int32_t stype, int32_t threads,
                                   int32_t generic) {
+    const int32_t sym = (stype & MLXGW_SYMMETRIC) != 0;
+    stype &= ~MLXGW_SYMMETRIC;
     if (!valid_format(bits, group_size, stype) || rows < 1 || out_features < 1 ||
         in_features < group_size || in_features % group_size != 0)
         return 1;
     QArgs a = {x, w, scales, biases, out, NULL, rows, in_features, out_features,
-               in_features / group_size, bits, group_size, stype};
+               in_features / group_size, bits, group_size, stype, sym};
     float *xsum = malloc((size_t)rows * a.groups * sizeof(float));
     if (!xsum) return 2;
     for (int64_t i = 0; i < rows * a.groups; i++) {
@@ -322,12 +330,13 @@ INLINE void dequant_rows(int bits, const QArgs *a, float *dst, int64_t n, int64_
     for (int64_t r = 0; r < count; r++) {
         float *bi = sc + groups;
         scales_to_float(a->stype, scale_row(a->stype, a->scales, n + r, groups), groups, sc);
-        scales_to_float(a->stype, scale_row(a->stype, a->biases, n + r, groups), groups, bi);
+        if (!a->sym)
+            scales_to_float(a->stype, scale_row(a->stype, a->biases, n + r, groups), groups, bi);
         const uint32_t *wrow = a->w + (n + r) * words;
         const float half = (float)(1 << (bits - 1));
         float *out = dst + r * depth;
         for (int64_t g = 0; g < groups; g++) {
-            v8f s = vsplat(sc[g]), b = vsplat(bi[g] + half * sc[g]);
+            v8f s = vsplat(sc[g]), b = vsplat(a->sym ? 0.0f : bi[g] + half * sc[g]);
             for (int i = 0; i < gs; i += 8) {
                 int64_t k = g * gs + i;
                 vstore(out + k, unpack8(bits, wrow, (uint64_t)k) * s + b);
@@ -380,11 +389,13 @@ EXPORT int mlxgw_dequantize(const uint32_t *w, const void *scales, const void *b
                             float *dst, int64_t n0, int64_t n1, int64_t in_features,
                             int64_t out_features, int32_t bits, int32_t group_size,
                             int32_t stype, int32_t threads, int32_t generic) {
+    const int32_t sym = (stype & MLXGW_SYMMETRIC) != 0;
+    stype &= ~MLXGW_SYMMETRIC;
     if (!valid_format(bits, group_size, stype) || n0 < 0 || n1 > out_features || n0 >= n1 ||
         in_features < group_size || in_features % group_size != 0)
         return 1;
     QArgs a = {NULL, w, scales, biases, NULL, NULL, 0, in_features, out_features,
-               in_features / group_size, bits, group_size, stype};
+               in_features / group_size, bits, group_size, stype, sym};
     if (threads < 1) threads = 1;
     DJob job = {&a, dst, n0, n1, 0, span_items(n1 - n0, threads, QCHUNK), dq_generic, 0};
 #if HAVE_X86_DISPATCH

@@ -10,6 +10,11 @@
 extern "C" {
 #endif
 
+/* `stype` (the scales' element type: 0 float32, 1 float16, 2 bfloat16) with this bit set:
+ * the weight has no biases array (`biases` is not read), each group's bias is
+ * -2^(bits - 1) times its scale (GGUF's Q4_0, Q5_0 and Q8_0 kept without biases) */
+enum { MLXGW_SYMMETRIC = 4 };
+
 /* out[rows, N] = x[rows, K] @ dequantize(w, scales, biases).T, float kernel (quantized.c) */
 int mlxgw_quantized_matmul(const float *x, const uint32_t *w, const void *scales,
                            const void *biases, float *out, int64_t rows, int64_t in_features,

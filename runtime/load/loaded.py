@@ -4,6 +4,7 @@ facts read from a config (context length, end-of-turn ids)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +16,11 @@ from mlx.nn.layers.quantized import quantize
 
 from runtime import backend
 from runtime.models.base import LanguageModel
-from runtime.models.linear import choose_small_gemm
+from runtime.models.linear import choose_small_gemm, drop_symmetric_biases
 from runtime.text import Tokenizer
 from runtime.vision import VisionSpec
+
+log = logging.getLogger(__name__)
 
 DTYPES: Mapping[str, mx.Dtype] = {
     "float32": mx.float32,
@@ -98,6 +101,9 @@ def finish_model(
     if shard is not None:
         shard(model)
     mx.eval(model.parameters())
+    freed = drop_symmetric_biases(model)
+    if freed:
+        log.info("symmetric groups kept without biases: %.1f MB less", freed / 1e6)
     choose_small_gemm(model)
 
 

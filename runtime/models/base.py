@@ -421,11 +421,13 @@ class CausalLM(Module):
 
     def forward(self, tokens: mx.array, caches: Sequence[Cache] | None = None) -> mx.array:
         """(B, L) tokens -> (B, L, hidden) after the final norm; `caches` are updated."""
-        out: mx.array = self.model(tokens, self.make_caches() if caches is None else caches)
+        with cpu_kernels.steady():
+            out: mx.array = self.model(tokens, self.make_caches() if caches is None else caches)
         return out
 
     def logits(self, hidden: mx.array) -> mx.array:
-        return tied_logits(self.model.embed_tokens, self.lm_head, hidden)
+        with cpu_kernels.steady():
+            return tied_logits(self.model.embed_tokens, self.lm_head, hidden)
 
     def __call__(self, tokens: mx.array, caches: Sequence[Cache] | None = None) -> mx.array:
         return self.logits(self.forward(tokens, caches))

@@ -64,7 +64,7 @@ int scale_type(mx::Dtype dtype) {
 void check_format(
     const mx::array& w,
     const mx::array& scales,
-    const mx::array& biases,
+    const std::optional<mx::array>& biases,
     int64_t depth,
     int group_size,
     int bits) {
@@ -78,12 +78,17 @@ void check_format(
   int64_t groups = depth / group_size;
   bool ok = w.dtype() == mx::uint32 && depth % group_size == 0 && cols > 0 && groups > 0 &&
       w.shape(1) == depth * bits / 32 && scales.shape() == mx::Shape{int(cols), int(groups)} &&
-      biases.shape() == scales.shape() && biases.dtype() == scales.dtype();
+      (!biases || (biases->shape() == scales.shape() && biases->dtype() == scales.dtype()));
   if (!ok) {
     std::ostringstream msg;
     msg << "[mlxgw.quantized_matmul] shapes do not match: depth " << depth << ", w "
-        << w.shape() << " " << w.dtype() << ", scales " << scales.shape() << ", biases "
-        << biases.shape() << " for " << bits << " bits in groups of " << group_size;
+        << w.shape() << " " << w.dtype() << ", scales " << scales.shape() << ", biases ";
+    if (biases) {
+      msg << biases->shape();
+    } else {
+      msg << "none";
+    }
+    msg << " for " << bits << " bits in groups of " << group_size;
     throw std::invalid_argument(msg.str());
   }
   scale_type(scales.dtype());
@@ -256,7 +261,7 @@ std::vector<mx::array> quantized_matmuls(
     const mx::array& x,
     const std::vector<mx::array>& w,
     const std::vector<mx::array>& scales,
-    const std::vector<mx::array>& biases,
+    const std::vector<std::optional<mx::array>>& biases,
     const std::vector<std::optional<mx::array>>& bias,
     const std::vector<int>& group_size,
     const std::vector<int>& bits,
@@ -286,14 +291,17 @@ std::vector<mx::array> quantized_matmuls(
   std::vector<mx::Shape> shapes;
   for (size_t i = 0; i < count; i++) {
     check_format(w[i], scales[i], biases[i], x.shape(-1), group_size[i], bits[i]);
-    inputs.insert(inputs.end(), {w[i], scales[i], biases[i]});
+    inputs.insert(inputs.end(), {w[i], scales[i]});
+    if (biases[i]) {
+      inputs.push_back(*biases[i]);
+    }
     if (bias[i].has_value()) {
       if (bias[i]->ndim() != 1 || bias[i]->shape(0) != w[i].shape(0)) {
         throw std::invalid_argument("[mlxgw.quantized_matmuls] a bias must be (out_features,)");
       }
       inputs.push_back(mx::astype(*bias[i], mx::float32, stream));
     }
-    products.push_back({group_size[i], bits[i], bias[i].has_value()});
+    products.push_back({group_size[i], bits[i], bias[i].has_value(), biases[i].has_value()});
     shapes.push_back(product_shape(x, w[i]));
   }
   if (act >= 0) {
@@ -309,7 +317,7 @@ mx::array quantized_matmul(
     const mx::array& x,
     const mx::array& w,
     const mx::array& scales,
-    const mx::array& biases,
+    const std::optional<mx::array>& biases,
     int group_size,
     int bits,
     int threads,
@@ -361,7 +369,7 @@ mx::array attention(
 mx::array dequantize(
     const mx::array& w,
     const mx::array& scales,
-    const mx::array& biases,
+    const std::optional<mx::array>& biases,
     int group_size,
     int bits,
     int threads,
@@ -376,7 +384,7 @@ mx::array dequantize(
       mx::Shape{w.shape(0), int(depth)},
       mx::float32,
       std::make_shared<Dequantize>(stream, group_size, bits, std::max(1, threads), generic),
-      {w, scales, biases});
+      biases ? std::vector<mx::array>{w, scales, *biases} : std::vector<mx::array>{w, scales});
 }
 
 void QuantizedMatmul::eval_cpu(
@@ -394,21 +402,29 @@ void QuantizedMatmul::eval_cpu(
   for (size_t i = 0; i < products_.size(); i++) {
     auto w = row_contiguous(inputs[at], s);
     auto scales = row_contiguous(inputs[at + 1], s);
-    auto biases = row_contiguous(inputs[at + 2], s);
-    at += 3;
+    at += 2;
+    const void* biases = nullptr;
+    int stype = scale_type(scales.dtype());
+    if (products_[i].has_biases) {
+      auto b = row_contiguous(inputs[at++], s);
+      encoder.set_input_array(b);
+      biases = b.data<void>();
+    } else {
+      stype |= MLXGW_SYMMETRIC;
+    }
     const float* bias = nullptr;
     if (products_[i].has_bias) {
       auto b = row_contiguous(inputs[at++], s);
       encoder.set_input_array(b);
       bias = b.data<float>();
     }
-    for (auto* a : {&w, &scales, &biases}) {
+    for (auto* a : {&w, &scales}) {
       encoder.set_input_array(*a);
     }
     weight_bytes += w.nbytes();
     args.push_back(
-        {w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), bias, nullptr, w.shape(0),
-         products_[i].bits, products_[i].group_size, scale_type(scales.dtype())});
+        {w.data<uint32_t>(), scales.data<void>(), biases, bias, nullptr, w.shape(0),
+         products_[i].bits, products_[i].group_size, stype});
   }
   for (auto& out : outputs) {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -486,7 +502,7 @@ std::vector<mx::Shape> QuantizedMatmul::output_shapes(const std::vector<mx::arra
   size_t at = 1;
   for (auto& p : products_) {
     shapes.push_back(product_shape(inputs[0], inputs[at]));
-    at += p.has_bias ? 4 : 3;
+    at += p.inputs();
   }
   if (activation_ >= 0) {
     shapes.resize(1);
@@ -565,21 +581,27 @@ std::vector<mx::Shape> Attention::output_shapes(const std::vector<mx::array>& in
 void Dequantize::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto w = row_contiguous(inputs[0], stream());
   auto scales = row_contiguous(inputs[1], stream());
-  auto biases = row_contiguous(inputs[2], stream());
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
   encoder.set_input_array(w);
   encoder.set_input_array(scales);
-  encoder.set_input_array(biases);
+  const void* bp = nullptr;
+  int stype = scale_type(scales.dtype()) | MLXGW_SYMMETRIC;
+  if (inputs.size() > 2) {
+    auto biases = row_contiguous(inputs[2], stream());
+    encoder.set_input_array(biases);
+    bp = biases.data<void>();
+    stype &= ~MLXGW_SYMMETRIC;
+  }
   encoder.set_output_array(out);
   encoder.dispatch([wp = w.data<uint32_t>(),
                     sp = scales.data<void>(),
-                    bp = biases.data<void>(),
+                    bp,
                     op = out.data<float>(),
                     cols = int64_t(out.shape(0)),
                     depth = int64_t(out.shape(1)),
-                    stype = scale_type(scales.dtype()),
+                    stype,
                     bits = bits_,
                     gs = group_size_,
                     threads = threads_,

@@ -14,7 +14,8 @@ namespace mlxgw {
 namespace mx = mlx::core;
 
 // x (..., K) float32 @ W.T for W as mx.quantize(W, group_size, bits) packed it (w, scales,
-// biases; scales and biases float32, float16 or bfloat16): (..., N) float32, computed on
+// biases; scales and biases float32, float16 or bfloat16; no biases: each group's bias is
+// -2^(bits - 1) times its scale, GGUF's symmetric formats): (..., N) float32, computed on
 // the CPU. Up to `small_rows` rows read each packed weight once for all rows: with
 // `x_bits` 16 or 8, the weights meet x rounded to int16 or int8 per block of 32
 // (mlxgw_qdot, on AVX2), with 0 floats (mlxgw_quantized_matmul); more rows dequantize a
@@ -23,7 +24,7 @@ mx::array quantized_matmul(
     const mx::array& x,
     const mx::array& w,
     const mx::array& scales,
-    const mx::array& biases,
+    const std::optional<mx::array>& biases,
     int group_size,
     int bits,
     int threads,
@@ -35,7 +36,7 @@ mx::array quantized_matmul(
 mx::array dequantize(
     const mx::array& w,
     const mx::array& scales,
-    const mx::array& biases,
+    const std::optional<mx::array>& biases,
     int group_size,
     int bits,
     int threads,
@@ -49,7 +50,7 @@ std::vector<mx::array> quantized_matmuls(
     const mx::array& x,
     const std::vector<mx::array>& w,
     const std::vector<mx::array>& scales,
-    const std::vector<mx::array>& biases,
+    const std::vector<std::optional<mx::array>>& biases,
     const std::vector<std::optional<mx::array>>& bias,
     const std::vector<int>& group_size,
     const std::vector<int>& bits,
@@ -172,12 +173,17 @@ class Rope : public mx::Primitive {
 struct Product {
   int group_size, bits;
   bool has_bias;
+  bool has_biases; // false: symmetric groups (MLXGW_SYMMETRIC), no biases input
   bool operator==(const Product& o) const {
-    return group_size == o.group_size && bits == o.bits && has_bias == o.has_bias;
+    return group_size == o.group_size && bits == o.bits && has_bias == o.has_bias &&
+        has_biases == o.has_biases;
+  }
+  size_t inputs() const {
+    return 2 + (has_biases ? 1 : 0) + (has_bias ? 1 : 0);
   }
 };
 
-// inputs: x, then (w, scales, biases[, bias]) per product; outputs: one per product, or
+// inputs: x, then (w, scales[, biases][, bias]) per product; outputs: one per product, or
 // one for a gated pair
 class QuantizedMatmul : public mx::Primitive {
  public:
@@ -361,6 +367,7 @@ class GeluErf : public mx::Primitive {
 
 class Dequantize : public mx::Primitive {
  public:
+  // inputs: w, scales[, biases] (none: symmetric groups)
   Dequantize(mx::Stream stream, int group_size, int bits, int threads, bool generic)
       : mx::Primitive(stream),
         group_size_(group_size),
