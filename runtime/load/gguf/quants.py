@@ -32,14 +32,19 @@ Bytes per weight on the CPU:
 ==========  ============  ==========================================
 ggml type   in the file   on the CPU (weights + scales + biases)
 ==========  ============  ==========================================
-Q4_0        0.5625        0.625  (4-bit, float16 scales and biases)
+Q4_0        0.5625        0.5625 (4-bit, float16 scales, no biases *)
 Q4_1        0.625         0.625  (4-bit, float16 scales)
-Q5_0        0.6875        0.75   (5-bit, float16 scales and biases)
+Q5_0        0.6875        0.6875 (5-bit, float16 scales, no biases *)
 Q5_1        0.75          0.75   (5-bit, float16 scales)
-Q8_0        1.0625        1.125
+Q8_0        1.0625        1.0625 (no biases *)
 Q4_K        0.5625        0.625  (4-bit, float16 scales, rounded)
 Q5_K        0.6875        0.75   (5-bit, float16 scales, rounded)
 ==========  ============  ==========================================
+
+(*) The symmetric types' biases are -2^(bits - 1) times their scales: converted here with
+biases like every other type, they are dropped once the model is loaded where the CPU
+primitives run, which compute them (runtime/models/linear.py `drop_symmetric_biases`);
+Metal and CUDA keep them (0.0625 bytes a weight more), as MLX's kernels need them.
 
 Anything else (Q6_K has 16-value sub-blocks, which MLX's smallest group of 32 cannot
 express; Q2_K/Q3_K/IQ*/TQ*/MXFP4 use grids or signed sub-scales) is dequantized with the
