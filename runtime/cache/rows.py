@@ -118,6 +118,17 @@ class RowTokenCache:
                     part[b] = mx.slice_update(part[b], new[b : b + 1], at, axes=(2,))
         self.lengths = ends
 
+    def write_with(
+        self, length: int, write: Callable[[list[list[mx.array]], list[int]], list[list[mx.array]]]
+    ) -> None:
+        """Append `length` tokens to every row through `write(buffers, ends)`, a primitive
+        that computes them and writes them in place (runtime/models/fused_layer.py): the
+        buffers it returns are the rows'."""
+        self._make_room(length)
+        ends = [n + length for n in self.lengths]
+        self.parts = [list(part) for part in write(self.parts, ends)]
+        self.lengths = ends
+
     def _make_room(self, length: int) -> None:
         """Grow the rows that lack room for `length` more tokens (`step` columns at a
         time, copying the row's tokens once, as `KVCache` grows)."""

@@ -42,6 +42,7 @@ from runtime.kernels.primitives import (
     rope,
     rows_ready,
     steady,
+    switches,
     symmetric_biases,
 )
 
@@ -77,6 +78,7 @@ __all__ = [
     "rope",
     "rows_ready",
     "steady",
+    "switches",
     "symmetric_biases",
     "thread_count",
 ]

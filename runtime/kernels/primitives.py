@@ -49,6 +49,8 @@ SMALL_ROWS = 16
 # "int8" (llama.cpp's choice: fastest, and greedy output drifts from the float path's
 # sooner), or "float32" (the float kernel, quantized.c)
 ENV_ACTIVATIONS = "MLX_GATEWAY_CPU_ACTIVATIONS"
+# "0" runs a decoder layer's step as its separate primitives (runtime/models/fused_layer.py)
+ENV_LAYER = "MLX_GATEWAY_CPU_LAYER"
 ACTIVATIONS = {"int16": 16, "int8": 8, "float32": 0}
 _MODULE = "runtime.kernels._mlx_ext"
 
@@ -119,10 +121,12 @@ class Switches(NamedTuple):
     threads: int
     generic: bool
     x_bits: int
+    layer: bool  # a decoder layer's step as one primitive (runtime/models/fused_layer.py)
 
 
 def _read_switches() -> Switches:
-    return Switches(_active(), thread_count(), _generic(), activation_bits())
+    layer = env(ENV_LAYER, "1") not in ("0", "false", "no", "off")
+    return Switches(_active(), thread_count(), _generic(), activation_bits(), layer)
 
 
 _held = threading.local()

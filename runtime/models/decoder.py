@@ -24,6 +24,7 @@ from runtime.models.base import (
     config_float,
     config_int,
 )
+from runtime.models.fused_layer import layer_step
 from runtime.models.linear import Embedding
 from runtime.models.rope import RoPE, RopeSpec, parse_rope
 
@@ -202,6 +203,9 @@ class PreNormBlock(Module):
         self.post_attention_layernorm = RMSNorm(dims, eps)
 
     def __call__(self, x: mx.array, cache: Any) -> mx.array:
+        fused = layer_step(self, x, cache)
+        if fused is not None:
+            return fused
         h = x + self.self_attn(self.input_layernorm(x), cache)
         out: mx.array = h + self.mlp(self.post_attention_layernorm(h))
         return out

@@ -192,6 +192,13 @@ class RoPE:
             mx.eval(self._inv_freq)
         return self._inv_freq
 
+    def kernel_args(self) -> tuple[int, float, float] | None:
+        """(dims, scale, mscale) as the CPU kernel rotates with them (`inv_freq` the
+        frequencies), or None where it does not (odd dims, over 1024)."""
+        if self.dims % 2 or not 0 < self.dims <= 1024:
+            return None
+        return self.dims, float(self._scale), float(self._mscale)
+
     def __call__(self, x: mx.array, offset: int | mx.array) -> mx.array:
         out = cpu_kernels.rope(
             x,

@@ -7,6 +7,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "mlx/version.h"
+#include "layer.h"
 #include "primitives.h"
 
 namespace nb = nanobind;
@@ -139,4 +140,38 @@ NB_MODULE(_mlx_ext, m) {
       "threads"_a,
       "generic"_a,
       "the float32 weight of an affine-quantized triplet, on the CPU");
+  m.def(
+      "decoder_layer",
+      &mlxgw::decoder_layer,
+      "x"_a,
+      "norms"_a,
+      "w"_a,
+      "scales"_a,
+      "biases"_a,
+      "bias"_a,
+      "group_size"_a,
+      "bits"_a,
+      "inv_freq"_a,
+      "offsets"_a,
+      "keys"_a,
+      "values"_a,
+      "lengths"_a,
+      nb::kw_only(),
+      "heads"_a,
+      "kv_heads"_a,
+      "head_dim"_a,
+      "eps"_a,
+      "unit_offset"_a,
+      "qk_eps"_a,
+      "rope_dims"_a,
+      "rope_scale"_a,
+      "mscale"_a,
+      "scale"_a,
+      "activation"_a,
+      "threads"_a,
+      "generic"_a,
+      "small_rows"_a,
+      "x_bits"_a,
+      "a llama-style layer's step over a running batch's rows as one primitive: "
+      "[h, keys' (B), values' (B)]");
 }

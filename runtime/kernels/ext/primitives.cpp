@@ -16,6 +16,7 @@
 #include "mlx/backend/cpu/encoder.h"
 
 #include "kernels.h"
+#include "products.h"
 #include "quantized.h"
 
 extern "C" {
@@ -46,6 +47,8 @@ constexpr int64_t kTileFloats = int64_t(1) << 21;
 // decode rows over a weight smaller than this run on one thread: waking a second costs
 // more than the work (SmolLM2's 576 x 576 at 4 bits, 0.17 MB: 33 us alone, 88 us on two)
 constexpr size_t kThreadBytes = size_t(1) << 19;
+
+} // namespace
 
 int scale_type(mx::Dtype dtype) {
   if (dtype == mx::float32) {
@@ -193,15 +196,7 @@ mx::array unit_last_stride(const mx::array& arr, mx::Stream stream) {
   return row_contiguous(arr, stream);
 }
 
-struct ProductArgs {
-  const uint32_t* w;
-  const void* scales;
-  const void* biases;
-  const float* bias;
-  float* out;
-  int64_t cols;
-  int bits, group_size, stype;
-};
+namespace {
 
 // one product over a prompt's rows: a tile of features at a time, dequantized, through
 // the BLAS; or the float kernel over a few rows
@@ -443,10 +438,30 @@ void QuantizedMatmul::eval_cpu(
                     act = activation_,
                     rows,
                     depth,
-                    threads = weight_bytes < kThreadBytes ? 1 : threads_,
+                    threads = product_threads(weight_bytes, threads_),
                     generic = int(generic_),
                     small = small_rows_,
                     x_bits = x_bits_]() mutable {
+    run_products(xp, rows, depth, args, gated, act, threads, generic, small, x_bits);
+  });
+}
+
+int product_threads(size_t weight_bytes, int threads) {
+  return weight_bytes < kThreadBytes ? 1 : threads;
+}
+
+void run_products(
+    const float* xp,
+    int64_t rows,
+    int64_t depth,
+    std::vector<ProductArgs>& args,
+    float* gated,
+    int act,
+    int threads,
+    int generic,
+    int small,
+    int x_bits) {
+  {
     if (rows == 0) {
       return;
     }
@@ -484,7 +499,7 @@ void QuantizedMatmul::eval_cpu(
           mlxgw_gated_mul(args[0].out, args[1].out, gated, n, act, threads, generic),
           "gated_mul");
     }
-  });
+  }
 }
 
 void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
@@ -775,21 +790,12 @@ bool Rope::is_equivalent(const mx::Primitive& other) const {
 
 // -- rows of a running batch in buffers of their own (runtime/cache/rows.py) --
 
-namespace {
-
 // Whether a row's buffer can take its new columns where it is: packed, from its start, in
 // memory MLX allocated (anything else is copied first). Its other holders see only the
 // columns before the row's length, which these writes never touch.
 bool writable_in_place(const mx::array& a) {
   return a.flags().row_contiguous && a.offset() == 0 && a.data_shared_ptr()->is_owned();
 }
-
-struct RowWrite {
-  const char* src; // new (b, 0, 0) of its part
-  char* dst;       // the row's buffer
-  int64_t src_h, src_l; // strides (elements) of the new array's heads and positions
-  int64_t heads, length, width, capacity, end, itemsize;
-};
 
 void write_row(const RowWrite& w) {
   const int64_t bytes = w.width * w.itemsize;
@@ -802,7 +808,6 @@ void write_row(const RowWrite& w) {
   }
 }
 
-} // namespace
 
 std::vector<std::vector<mx::array>> append_rows(
     const std::vector<mx::array>& news,
