@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from runtime.backend import trim_heap
 from runtime.batch import (
     DEFAULT_PREFILL_CHUNK,
     SPECULATIVE_MODES,
@@ -134,6 +135,9 @@ class ModelRunner:
         mx.set_cache_limit(self.settings.buffer_cache_bytes)
         tok = loaded.tokenizer
         self._detok_table = DetokenizerTable.build(tok.hf, tok.special_ids)
+        # the build parses the tokenizer's whole JSON (Qwen2.5: 151k tokens and merges),
+        # whose freed pieces the heap keeps otherwise (30-50 MB resident)
+        trim_heap()
         # the model's caches, full-attention layers quantized with --kv-bits
         self.make_caches = quantizing(loaded.model.make_caches, self.settings.kv_bits)
         self.prefix: PrefixCache[Any] = self.prefix_cache_type(

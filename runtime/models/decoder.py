@@ -206,7 +206,15 @@ class PreNormBlock(Module):
         fused = layer_step(self, x, cache)
         if fused is not None:
             return fused
-        h = x + self.self_attn(self.input_layernorm(x), cache)
+        return self.mlp_half(self.attention_half(x, cache))
+
+    def attention_half(self, x: mx.array, cache: Any) -> mx.array:
+        """x + attention(norm(x)): the layer up to its MLP (`LayerStack.stepwise`)."""
+        out: mx.array = x + self.self_attn(self.input_layernorm(x), cache)
+        return out
+
+    def mlp_half(self, h: mx.array) -> mx.array:
+        """h + mlp(norm(h)): the rest of the layer."""
         out: mx.array = h + self.mlp(self.post_attention_layernorm(h))
         return out
 
@@ -241,6 +249,46 @@ class LayerStack(Module):
         h = self.embed_tokens(tokens)
         for layer, cache in zip(self.layers, caches, strict=True):
             h = layer(h, cache)
+        out: mx.array = self.norm(h)
+        return out
+
+    def stepwise(self, tokens: mx.array, caches: Sequence[Any]) -> mx.array:
+        """`self(tokens, caches)` for a prompt chunk, computed a piece at a time: half a
+        llama-style layer (`PreNormBlock`), or a whole layer of another kind. A piece is
+        queued once the one before it is computed (its successor's graph is built in the
+        meantime); the last layer only as far as its cache, the rest of it and the final
+        norm left to whoever evaluates the result (a prefill reads none of it).
+
+        As one graph, a chunk's layers run ahead of the kernels: MLX's CPU evaluation
+        allocates each node's output when it queues the node, up to about a hundred
+        kernels (several layers) before the worker computes them. Qwen2.5-Coder-0.5B
+        (float32 activations), 2048-token chunks: 330 MB above the weights and caches at
+        the peak as one graph, 85 MB a piece at a time, the same keys and values bit for
+        bit; the pieces' waits cost 0.5% of the chunk's time."""
+        h = self.embed_tokens(tokens)
+        queued: list[mx.array] = []
+
+        def queue(arrays: list[mx.array]) -> None:
+            nonlocal queued
+            mx.eval(queued)  # the piece before: computed, its buffers freed
+            mx.async_eval(arrays)
+            queued = arrays
+
+        last = len(self.layers) - 1
+        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+            halves = type(layer).__call__ is PreNormBlock.__call__
+            fused = layer_step(layer, h, cache) if halves else None  # as __call__ does
+            halves = halves and fused is None
+            if fused is not None:
+                h = fused
+            else:
+                h = layer.attention_half(h, cache) if halves else layer(h, cache)
+            queue(list(cache.state) if i == last else [h, *cache.state])
+            if halves:
+                h = layer.mlp_half(h)
+                if i < last:
+                    queue([h])
+        mx.eval(queued)
         out: mx.array = self.norm(h)
         return out
 
