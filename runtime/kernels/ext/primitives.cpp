@@ -4,6 +4,7 @@
 #include "primitives.h"
 
 #include <algorithm>
+#include <atomic>
 #include <array>
 #include <cstdint>
 #include <cstdlib>
@@ -36,6 +37,8 @@ void cblas_sgemm(
     float* c,
     int ldc);
 }
+
+extern "C" void mlxgw_pool_run(void* (*worker)(void*), void* job, int threads);
 
 namespace mlxgw {
 
@@ -241,6 +244,73 @@ void product(
         p.out[m * p.cols + n] += p.bias[n];
       }
     }
+  }
+}
+
+// act(gate) * up over rows [m0, m1) of a band of columns: `g` (row stride `ldg`) in place
+struct GatedBand {
+  float* g;
+  const float* u;
+  int64_t rows, w, ldg;
+  int act, generic;
+  std::atomic<int64_t> next;
+};
+
+void* gated_band_rows(void* arg) {
+  auto* j = static_cast<GatedBand*>(arg);
+  for (;;) {
+    int64_t m0 = j->next.fetch_add(64);
+    if (m0 >= j->rows) {
+      return nullptr;
+    }
+    for (int64_t m = m0; m < std::min(j->rows, m0 + 64); m++) {
+      float* g = j->g + m * j->ldg;
+      mlxgw_gated_mul(g, j->u + m * j->w, g, j->w, j->act, 1, j->generic);
+    }
+  }
+}
+
+// a gated pair over a prompt's rows, one dequantized tile of columns at a time (the
+// tile `product` uses, so each BLAS call is the one it makes: bit-identical): the gate's
+// columns straight into `gated`, the up product's into a tile-wide scratch of the thread,
+// then act(gate) * up in place. The scratch is rows x tile, not 2 x rows x cols
+// (Qwen2.5-0.5B, 2048 rows: 19 MB, not 80 MB kept by the thread).
+void gated_products(
+    const float* x,
+    int64_t rows,
+    int64_t depth,
+    const ProductArgs& gate,
+    const ProductArgs& upp,
+    float* gated,
+    int act,
+    int threads,
+    int generic) {
+  int64_t cols = gate.cols;
+  int64_t tile = std::min(cols, std::max<int64_t>(64, kTileFloats / depth / 64 * 64));
+  thread_local std::vector<float> buffer;
+  thread_local std::vector<float> up;
+  if (buffer.size() < size_t(tile * depth)) {
+    buffer.resize(size_t(tile * depth));
+  }
+  if (up.size() < size_t(rows * tile)) {
+    up.resize(size_t(rows * tile));
+  }
+  for (int64_t n0 = 0; n0 < cols; n0 += tile) {
+    int64_t n1 = std::min(cols, n0 + tile), w = n1 - n0;
+    for (const ProductArgs* p : {&gate, &upp}) {
+      check_status(
+          dequantize_rows(
+              p->w, p->scales, p->biases, buffer.data(), n0, n1, depth, cols, p->bits,
+              p->group_size, p->stype, threads, generic),
+          "dequantize");
+      bool is_gate = p == &gate;
+      cblas_sgemm(
+          kRowMajor, kNoTrans, kTrans, int(rows), int(w), int(depth), 1.0f, x, int(depth),
+          buffer.data(), int(depth), 0.0f, is_gate ? gated + n0 : up.data(),
+          int(is_gate ? cols : w));
+    }
+    GatedBand job{gated + n0, up.data(), rows, w, cols, act, generic, {0}};
+    mlxgw_pool_run(gated_band_rows, &job, threads);
   }
 }
 
@@ -463,6 +533,11 @@ void run_products(
     int x_bits) {
   {
     if (rows == 0) {
+      return;
+    }
+    if (gated != nullptr && rows > small && args[0].bias == nullptr &&
+        args[1].bias == nullptr) {
+      gated_products(xp, rows, depth, args[0], args[1], gated, act, threads, generic);
       return;
     }
     if (gated != nullptr) {
