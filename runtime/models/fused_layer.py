@@ -88,6 +88,30 @@ def _linears(layer: Any) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
+def _arguments(layer: Any, shape: LayerShape) -> tuple[Any, ...] | None:
+    """The primitive's array arguments before the rows (norms, the products' lists, the
+    rotation's frequencies): kept beside the layer while its products are the same."""
+    attn = layer.self_attn
+    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    if shape.qk_eps >= 0:
+        norms += [attn.q_norm.weight, attn.k_norm.weight]
+    products = tuple(packed(p) for p in _linears(layer))
+    key = (*products, *norms)
+    held = layer.__dict__.get("_step_arguments")
+    if held is not None and all(a is b for a, b in zip(held[0], key, strict=True)):
+        return held[1]
+    parts = [p for p in products if p is not None]
+    if len(parts) != len(products):
+        return None
+    args = (
+        norms, [p.w for p in parts], [p.scales for p in parts], [p.biases for p in parts],
+        [p.bias for p in parts], [p.group_size for p in parts], [p.bits for p in parts],
+        attn.rope.inv_freq(),
+    )  # fmt: skip
+    object.__setattr__(layer, "_step_arguments", (key, args))
+    return args
+
+
 def layer_step(layer: Any, x: mx.array, cache: object) -> mx.array | None:
     """`layer(x, cache)` for a `PreNormBlock` as one primitive (the module docstring),
     the cache's rows written; None where it does not apply (the caller runs the layer's
@@ -110,23 +134,15 @@ def layer_step(layer: Any, x: mx.array, cache: object) -> mx.array | None:
     if not isinstance(held, LayerShape):
         return None
     shape = held
-    products = [packed(p) for p in _linears(layer)]
-    if any(p is None for p in products):
+    args = _arguments(layer, shape)
+    if args is None:
         return None
-    parts = [p for p in products if p is not None]
-    attn = layer.self_attn
-    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    if shape.qk_eps >= 0:
-        norms += [attn.q_norm.weight, attn.k_norm.weight]
     offsets = cache.offset
     hidden: list[mx.array] = []
 
     def write(rows: list[list[mx.array]], ends: list[int]) -> list[list[mx.array]]:
         outs: list[mx.array] = ext.decoder_layer(
-            x, norms, [p.w for p in parts], [p.scales for p in parts],
-            [p.biases for p in parts], [p.bias for p in parts],
-            [p.group_size for p in parts], [p.bits for p in parts],
-            attn.rope.inv_freq(), offsets, rows[0], rows[1], ends,
+            x, *args, offsets, rows[0], rows[1], ends,
             heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
             eps=shape.eps, unit_offset=shape.unit_offset, qk_eps=shape.qk_eps,
             rope_dims=shape.rope_dims, rope_scale=shape.rope_scale, mscale=shape.mscale,

@@ -77,15 +77,24 @@ def packed(layer: object) -> cpu_kernels.Packed | None:
     None for any other layer."""
     if not isinstance(layer, QuantizedLinear) or layer.mode != "affine":
         return None
-    arrays = (layer["weight"], layer["scales"], layer.get("biases"), layer.get("bias"))
+    w, scales, biases, bias = (
+        layer["weight"],
+        layer["scales"],
+        layer.get("biases"),
+        layer.get("bias"),
+    )
     # kept beside the layer's parameters (a decode step asks for every layer's), and
     # remade when any of its arrays was replaced (a weight update)
     held: cpu_kernels.Packed | None = layer.__dict__.get("_packed")
-    if held is not None and all(
-        a is b for a, b in zip((held.w, held.scales, held.biases, held.bias), arrays, strict=True)
+    if (
+        held is not None
+        and held.w is w
+        and held.scales is scales
+        and held.biases is biases
+        and held.bias is bias
     ):
         return held
-    made = cpu_kernels.Packed(*arrays, layer.group_size, layer.bits)
+    made = cpu_kernels.Packed(w, scales, biases, bias, layer.group_size, layer.bits)
     object.__setattr__(layer, "_packed", made)
     return made
 
