@@ -350,18 +350,7 @@ void DecoderLayer::eval_cpu(
     for (size_t b = 0; b < batch; b++) {
       const auto& row = inputs[at + side * batch + b];
       auto& out = outputs[1 + side * batch + b];
-      if (writable_in_place(row)) {
-        out.copy_shared_buffer(row);
-      } else { // copied whole first: its other holders keep theirs
-        out.set_data(mx::allocator::malloc(out.nbytes()));
-        auto packed = row_contiguous(row, s);
-        encoder.set_input_array(packed);
-        encoder.dispatch([src = packed.data<char>(), dst = out.data<char>(), n = out.nbytes()]() {
-          std::memcpy(dst, src, n);
-        });
-      }
-      encoder.set_input_array(row);
-      encoder.set_output_array(out);
+      take_row(encoder, row, out, s);
       (side == 0 ? task.rows[b].k : task.rows[b].v) = out.data<float>();
     }
   }

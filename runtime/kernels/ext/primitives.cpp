@@ -872,6 +872,25 @@ bool writable_in_place(const mx::array& a) {
   return a.flags().row_contiguous && a.offset() == 0 && a.data_shared_ptr()->is_owned();
 }
 
+void take_row(
+    mx::cpu::CommandEncoder& encoder,
+    const mx::array& row,
+    mx::array& out,
+    mx::Stream s) {
+  if (writable_in_place(row)) {
+    out.copy_shared_buffer(row);
+  } else { // copied whole first: its other holders keep theirs
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto packed = row_contiguous(row, s);
+    encoder.set_input_array(packed);
+    encoder.dispatch([src = packed.data<char>(), dst = out.data<char>(), n = out.nbytes()]() {
+      std::memcpy(dst, src, n);
+    });
+  }
+  encoder.set_input_array(row);
+  encoder.set_output_array(out);
+}
+
 void write_row(const RowWrite& w) {
   const int64_t bytes = w.width * w.itemsize;
   for (int64_t h = 0; h < w.heads; h++) {
@@ -940,18 +959,7 @@ void AppendRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
     for (size_t b = 0; b < batch; b++) {
       const auto& row = inputs[parts + p * batch + b];
       auto& out = outputs[p * batch + b];
-      if (writable_in_place(row)) {
-        out.copy_shared_buffer(row);
-      } else {
-        out.set_data(mx::allocator::malloc(out.nbytes()));
-        auto packed = row_contiguous(row, s);
-        encoder.set_input_array(packed);
-        encoder.dispatch([src = packed.data<char>(), dst = out.data<char>(), n = out.nbytes()]() {
-          std::memcpy(dst, src, n);
-        });
-      }
-      encoder.set_input_array(row);
-      encoder.set_output_array(out);
+      take_row(encoder, row, out, s);
       writes.push_back(
           {n.data<char>() + b * n.strides()[0] * n.itemsize(), out.data<char>(), n.strides()[1],
            n.strides()[2], n.shape(1), n.shape(2), n.shape(3), out.shape(2), ends_[b],

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 
 namespace mlxgw {
@@ -73,5 +74,12 @@ struct RowWrite {
   int64_t heads, length, width, capacity, end, itemsize;
 };
 void write_row(const RowWrite& w);
+// `out`, a row buffer's next state: `row`'s memory where it can be written in place, else a
+// whole copy of it (queued on the encoder)
+void take_row(
+    mx::cpu::CommandEncoder& encoder,
+    const mx::array& row,
+    mx::array& out,
+    mx::Stream s);
 
 } // namespace mlxgw

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import platform
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -28,20 +27,6 @@ ROWS = (1, 2, 3, 4, 5, 7, 8, 16, 17, 40)  # up to 16: decode kernels; above: til
 SHAPES = ((67, 128), (129, 384))  # (out_features, in_features): odd N, K a group multiple
 ALL_BITS = (2, 3, 4, 5, 6, 8)
 SCALE_TYPES = (mx.float32, mx.float16, mx.bfloat16)
-
-
-@pytest.fixture
-def ext(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """The loaded extension, on the CPU; its absence fails where it is expected."""
-    module = primitives.extension()
-    if module is None:
-        if primitives.expected():
-            pytest.fail("the MLX extension did not load (pip install -e . builds it)")
-        pytest.skip("no MLX extension on this platform")
-    monkeypatch.delenv(primitives.ENV_ACTIVATIONS, raising=False)
-    monkeypatch.delenv(kernels.ENV_ISA, raising=False)
-    with mx.stream(mx.cpu):
-        yield module
 
 
 def test_the_extension_loads_where_it_is_expected() -> None:

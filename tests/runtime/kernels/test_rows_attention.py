@@ -7,7 +7,7 @@ time."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -16,19 +16,6 @@ import pytest
 
 from runtime import kernels
 from runtime.cache.quantized import quantize
-from runtime.kernels import primitives
-
-
-@pytest.fixture
-def ext(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    module = primitives.extension()
-    if module is None:
-        if primitives.expected():
-            pytest.fail("the MLX extension did not load (pip install -e . builds it)")
-        pytest.skip("no MLX extension on this platform")
-    monkeypatch.delenv(kernels.ENV_ISA, raising=False)
-    with mx.stream(mx.cpu):
-        yield module
 
 
 def _rows(

@@ -9,7 +9,6 @@ the same bits without them, since the bias it computes is the one that was store
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -33,19 +32,6 @@ PATHS = [  # (MLX_GATEWAY_CPU_ISA, MLX_GATEWAY_CPU_ACTIVATIONS)
     ("", "float32"),
     ("generic", "int16"),
 ]
-
-
-@pytest.fixture
-def ext(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    module = primitives.extension()
-    if module is None:
-        if primitives.expected():
-            pytest.fail("the MLX extension did not load (pip install -e . builds it)")
-        pytest.skip("no MLX extension on this platform")
-    monkeypatch.delenv(primitives.ENV_ACTIVATIONS, raising=False)
-    monkeypatch.delenv(kernels.ENV_ISA, raising=False)
-    with mx.stream(mx.cpu):
-        yield module
 
 
 def _symmetric(
