@@ -143,7 +143,8 @@ INLINE_512 void rows512(const QDot *a, int bits, int mr, int64_t n, int64_t m0) 
     if (per_group == 1) { /* eight groups' scales, biases and bias terms at a time */
         for (; blk + 8 <= blocks; blk += 8) {
             const __m256 sv = scales8(a->stype, a->scales, n * groups + blk);
-            const __m256 bv = a->sym ? _mm256_mul_ps(sv, _mm256_set1_ps(-(float)(1 << (bits - 1))))
+            const __m256 off = _mm256_set1_ps(-(float)(1 << (bits - 1)));
+            const __m256 bv = a->sym ? _mm256_mul_ps(sv, off)
                                      : scales8(a->stype, a->biases, n * groups + blk);
             float fs[ROWS_512][8];
             for (int r = 0; r < mr; r++) {
