@@ -178,12 +178,18 @@ def convert_weights(
     count = max(1, workers or min(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=count) as pool:
         # a bounded window of decoded tensors keeps peak memory near one model copy
-        pending: deque[Future[Decoded]] = deque()
+        pending: deque[tuple[str, Future[Decoded]]] = deque()
+
+        def finish() -> None:
+            source, future = pending.popleft()
+            store(out, future.result(), plan)
+            gf.release(source)  # its pages leave the process's resident memory
+
         for info, name in jobs:
             tf = _transform(info.name, gf.architecture, config, info.shape[0])
-            pending.append(pool.submit(decode_tensor, gf, info, name, tf, plan))
+            pending.append((info.name, pool.submit(decode_tensor, gf, info, name, tf, plan)))
             if len(pending) > count:
-                store(out, pending.popleft().result(), plan)
+                finish()
         while pending:
-            store(out, pending.popleft().result(), plan)
+            finish()
     return out

@@ -207,6 +207,19 @@ class GGUFFile:
 
     # -- tensor data ------------------------------------------------------------------
 
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from this process's resident memory once it is
+        converted: the mapping's pages count as resident while mapped (a 7B Q4_K_M file,
+        4.7 GB, on top of the converted weights at the load's peak). The page cache keeps
+        them and a later read faults them back in, so nothing changes but the count."""
+        info = self.tensors[name]
+        page = mmap.PAGESIZE
+        start = info.offset // page * page
+        end = min(len(self._map), -(-(info.offset + info.nbytes) // page) * page)
+        advise = getattr(mmap, "MADV_DONTNEED", None)
+        if advise is not None and end > start:
+            self._map.madvise(advise, start, end - start)
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a view: a typed array of ``shape`` for plain types,
         else uint8 of shape ``(*shape[:-1], bytes_per_row)`` (whole quant blocks per row)."""

@@ -386,3 +386,31 @@ def test_affine_blocks_equal_mlx_own_gguf_reader(smollm2_gguf: Path) -> None:
         assert np.array_equal(affine.weight, np.array(theirs[name]))
         for part, ours in (("scales", affine.scales), ("biases", affine.biases)):
             assert np.array_equal(ours, np.array(theirs[f"{stem}.{part}"].astype(mx.float32)))
+
+
+def _mapped_rss_kb(path: Path) -> int:
+    """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isdigit() or line[:1] in "abcdef":
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.real_model
+def test_a_converted_tensors_pages_leave_resident_memory(smollm2_gguf: Path) -> None:
+    """`release` drops a tensor's pages from the process's resident set (the load's peak
+    no longer holds the mapped file beside the converted weights); a later read sees the
+    same bytes."""
+    if not Path("/proc/self/smaps").exists():
+        pytest.skip("no /proc/self/smaps here")
+    gf = GGUFFile(smollm2_gguf)
+    name = max(gf.tensors, key=lambda n: gf.tensors[n].nbytes)
+    before = gf.raw(name).copy()  # every page of it touched
+    touched = _mapped_rss_kb(smollm2_gguf)
+    assert touched * 1024 >= gf.tensors[name].nbytes
+    gf.release(name)
+    assert _mapped_rss_kb(smollm2_gguf) * 1024 < touched * 1024 - gf.tensors[name].nbytes // 2
+    assert np.array_equal(gf.raw(name), before)
