@@ -153,6 +153,37 @@ def split_gate_up(item: Decoded) -> list[Decoded]:
     ]
 
 
+# float32 values re-quantized at a time (64 MB): a whole 7B head (152064 x 3584, 2.2 GB in
+# float32) made several full-size temporaries at once, 1.3 GB of the load's peak
+REQUANTIZE_VALUES = 1 << 24
+
+
+def requantized(
+    values: np.ndarray, group: int, bits: int, scales_dtype: mx.Dtype
+) -> tuple[mx.array, mx.array, mx.array]:
+    """`affine_quantize` of float32 `values` (..., n), evaluated, a slice of rows at a
+    time: every group lies in one row, so the slices' triplets are the whole's."""
+    flat = values.reshape(-1, values.shape[-1])
+    step = max(1, REQUANTIZE_VALUES // flat.shape[1])
+    parts: list[tuple[mx.array, mx.array, mx.array]] = []
+    for start in range(0, flat.shape[0], step):
+        part = affine_quantize(
+            mx.array(flat[start : start + step]),
+            group_size=group,
+            bits=bits,
+            scales_dtype=scales_dtype,
+        )
+        mx.eval(*part)  # lets go of the slice's float32 values now
+        parts.append(part)
+    lead = values.shape[:-1]
+    joined = [
+        mx.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3)
+    ]
+    out = tuple(a.reshape(*lead, a.shape[-1]) for a in joined)
+    mx.eval(*out)
+    return out[0], out[1], out[2]
+
+
 def store(out: ConvertedWeights, item: Decoded, plan: Plan) -> None:
     """Add ``item`` to ``out`` as MLX arrays (on the caller's thread): floats in the
     compute dtype, quantized weights as a triplet with their bits and group size; fused
@@ -174,13 +205,9 @@ def _store(out: ConvertedWeights, item: Decoded, plan: Plan) -> None:
         scales, biases = scales.astype(stored), biases.astype(stored)
     elif item.values is not None and item.requantize_bits is not None:
         bits, group = item.requantize_bits, item.group_size
-        weight, scales, biases = affine_quantize(
-            mx.array(item.values),
-            group_size=group,
-            bits=bits,
-            scales_dtype=precision.requantized_scales_dtype(dtype),
+        weight, scales, biases = requantized(
+            item.values, group, bits, precision.requantized_scales_dtype(dtype)
         )
-        mx.eval(weight, scales, biases)  # lets go of the float32 values now
     elif item.values is not None:
         array = mx.array(item.values)
         keep = item.name.endswith(FLOAT32_SUFFIX) or array.dtype == dtype
