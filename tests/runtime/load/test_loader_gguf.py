@@ -390,10 +390,10 @@ def test_affine_blocks_equal_mlx_own_gguf_reader(smollm2_gguf: Path) -> None:
 
 def _mapped_rss_kb(path: Path) -> int:
     """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
-    total, inside = 0, False
+    total, inside, name = 0, False, str(path.resolve())  # smaps names the file itself
     for line in Path("/proc/self/smaps").read_text().splitlines():
         if line[:1].isdigit() or line[:1] in "abcdef":
-            inside = line.rstrip().endswith(str(path))
+            inside = line.rstrip().endswith(name)
         elif inside and line.startswith("Rss:"):
             total += int(line.split()[1])
     return total
