@@ -128,6 +128,12 @@ class MLP(Module):
         self._act = activation(act)
         self._kernel_act = _KERNEL_ACTIVATIONS.get(act)
 
+    @property
+    def kernel_activation(self) -> str | None:
+        """The CPU kernels' name of the gated activation ("silu", "gelu_tanh"), or None
+        where they have none."""
+        return self._kernel_act
+
     def __call__(self, x: mx.array) -> mx.array:
         if self._kernel_act is not None:
             # quantized on the CPU: gate, up and the activation in one primitive

@@ -58,12 +58,16 @@ def _shape(layer: Any) -> LayerShape | None:
         return None
     if type(n1) is not RMSNorm or type(n2) is not RMSNorm or type(attn.rope) is not RoPE:
         return None
-    if attn.window is not None or attn.softcap is not None or mlp._kernel_act not in _ACTIVATIONS:
+    if (
+        attn.window is not None
+        or attn.softcap is not None
+        or mlp.kernel_activation not in _ACTIVATIONS
+    ):
         return None
     if n1.eps != n2.eps or n1.unit_offset != n2.unit_offset:
         return None
     qk_eps = -1.0
-    if attn._qk_norm:
+    if "q_norm" in attn:
         qn, kn = attn.q_norm, attn.k_norm
         if not (type(qn) is RMSNorm and type(kn) is RMSNorm and qn.eps == kn.eps):
             return None
@@ -76,7 +80,7 @@ def _shape(layer: Any) -> LayerShape | None:
     dims, scale, mscale = rope
     return LayerShape(
         attn.n_heads, attn.n_kv_heads, attn.head_dim, float(n1.eps), bool(n1.unit_offset),
-        qk_eps, dims, scale, mscale, float(attn.scale), str(mlp._kernel_act),
+        qk_eps, dims, scale, mscale, float(attn.scale), str(mlp.kernel_activation),
     )  # fmt: skip
 
 

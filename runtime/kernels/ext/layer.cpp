@@ -147,15 +147,7 @@ void LayerTask::run() {
     a.keys = end;
     base.keys = std::max(base.keys, end);
   }
-  AttnRows ra{base, per.data()};
-  int status = mlxgw_attention_decode_rows(&ra);
-  if (status == 1) { // the prompt kernel, each row on its own: the same bits
-    status = 0;
-    for (size_t b = 0; status == 0 && b < per.size(); b++) {
-      status = mlxgw_attention(&per[b]);
-    }
-  }
-  check_status(status, "attention_rows");
+  attend_rows(base, per);
 
   products[kO].out = tmp;
   products_of(att, qd, {kO}, nullptr);

@@ -1079,17 +1079,19 @@ void AttentionRows::eval_cpu(
     r.keys = lengths_[size_t(b)];
     base.keys = std::max(base.keys, r.keys);
   }
-  encoder.dispatch([base, rows = std::move(rows)]() {
-    AttnRows ra{base, rows.data()};
-    int status = mlxgw_attention_decode_rows(&ra);
-    if (status == 1) { // the prompt kernel computes each row on its own: the same bits
-      status = 0;
-      for (size_t b = 0; status == 0 && b < rows.size(); b++) {
-        status = mlxgw_attention(&rows[b]);
-      }
+  encoder.dispatch([base, rows = std::move(rows)]() { attend_rows(base, rows); });
+}
+
+void attend_rows(const AttnArgs& base, const std::vector<AttnArgs>& rows) {
+  AttnRows ra{base, rows.data()};
+  int status = mlxgw_attention_decode_rows(&ra);
+  if (status == 1) { // the prompt kernel computes each row on its own: the same bits
+    status = 0;
+    for (size_t b = 0; status == 0 && b < rows.size(); b++) {
+      status = mlxgw_attention(&rows[b]);
     }
-    check_status(status, "attention_rows");
-  });
+  }
+  check_status(status, "attention_rows");
 }
 
 void AttentionRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

@@ -11,6 +11,8 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 
+#include "kernels.h"
+
 namespace mlxgw {
 
 namespace mx = mlx::core;
@@ -74,6 +76,9 @@ struct RowWrite {
   int64_t heads, length, width, capacity, end, itemsize;
 };
 void write_row(const RowWrite& w);
+// causal attention over rows in buffers of their own (`base` the shared sizes, `rows[b]`
+// row b as a one-row AttnArgs): the decode kernel, else the prompt kernel row by row
+void attend_rows(const AttnArgs& base, const std::vector<AttnArgs>& rows);
 // `out`, a row buffer's next state: `row`'s memory where it can be written in place, else a
 // whole copy of it (queued on the encoder)
 void take_row(
