@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from runtime.kernels import lanes
 from runtime.kernels.bridge import ENV_ISA, enabled, env, thread_count
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ SMALL_ROWS = 16
 ENV_ACTIVATIONS = "MLX_GATEWAY_CPU_ACTIVATIONS"
 # "0" runs a decoder layer's step as its separate primitives (runtime/models/fused_layer.py)
 ENV_LAYER = "MLX_GATEWAY_CPU_LAYER"
+# "0" keeps quantized weights in mx.quantize's layout on the CPU (`lanes_ready`)
+ENV_LANES = "MLX_GATEWAY_CPU_LANES"
 ACTIVATIONS = {"int16": 16, "int8": 8, "float32": 0}
 _MODULE = "runtime.kernels._mlx_ext"
 
@@ -158,6 +161,19 @@ def active() -> ModuleType | None:
     return held.ext if held is not None else _active()
 
 
+def lanes_ready() -> bool:
+    """Whether 4- and 8-bit weights should be kept in 16-feature lanes
+    (runtime/kernels/lanes.py): the primitives run here, the CPU has the lanes kernel,
+    and decode rows are rounded to int16 (the kernel's activations)."""
+    ext = active()
+    return (
+        ext is not None
+        and env(ENV_LANES, "1") not in ("0", "false", "no", "off")
+        and bool(ext.lanes_usable())
+        and activation_bits() == 16
+    )
+
+
 def quantized_ready() -> bool:
     """Whether quantized weights have a fast matmul here (the loader keeps them then)."""
     return not on_cpu() or active() is not None
@@ -179,7 +195,7 @@ def qmatmul(
     without `biases`: symmetric groups (`symmetric_biases`)."""
     sw = switches()
     ext = sw.ext if transpose and mode == "affine" else None
-    if ext is not None and x.ndim >= 1 and w.ndim == 2:
+    if ext is not None and x.ndim >= 1 and (w.ndim == 2 or lanes.in_lanes(w)):
         out: mx.array = ext.quantized_matmul(
             x,
             w,
@@ -193,6 +209,8 @@ def qmatmul(
             x_bits=sw.x_bits,
         )
         return out
+    if lanes.in_lanes(w):  # the primitive is off now: MLX's op reads the standard layout
+        w, scales, biases = lanes.to_standard(w, scales, biases, bits)
     if biases is None and mode == "affine":
         biases = symmetric_biases(scales, bits)
     return mx.quantized_matmul(
@@ -427,13 +445,15 @@ def dequantize(
     """The float weight of a quantized triplet: the CPU primitive (float32, threaded)
     where it applies, else `mx.dequantize` (affine without biases: symmetric groups)."""
     sw = switches()
-    ext = sw.ext if mode == "affine" and w.ndim == 2 else None
+    ext = sw.ext if mode == "affine" and (w.ndim == 2 or lanes.in_lanes(w)) else None
     if ext is not None:
         out: mx.array = ext.dequantize(
             w, scales, biases, group_size=group_size, bits=bits, threads=sw.threads,
             generic=sw.generic,
         )  # fmt: skip
         return out
+    if lanes.in_lanes(w):
+        w, scales, biases = lanes.to_standard(w, scales, biases, bits)
     if biases is None and mode == "affine":
         biases = symmetric_biases(scales, bits)
     return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode)

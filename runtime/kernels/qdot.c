@@ -380,7 +380,9 @@ TARGET_QDOT static void *qdot_worker(void *arg) {
         const int64_t size = job->chunk[p];
         int64_t start = (item - job->first[p]) * size;
         int64_t end = start + size < a->cols ? start + size : a->cols;
-        if (job->use512)
+        if (a->lanes)
+            mlxgw_qlanes_features(a, start, end);
+        else if (job->use512)
             mlxgw_qdot512_features(a, start, end);
         else
             qdot_features(a, start, end);
@@ -439,7 +441,9 @@ static int x_layout(int bits, int wide) {
 }
 
 static int qdot_refuses(const MlxgwQProj *p, int64_t depth) {
-    const int32_t st = p->stype & ~MLXGW_SYMMETRIC;
+    const int32_t st = p->stype & ~(MLXGW_SYMMETRIC | MLXGW_LANES);
+    if ((p->stype & MLXGW_LANES) && ((p->bits < 4 || p->bits == 7 || p->bits > 8) || p->cols % 16 != 0))
+        return 1;
     return p->bits < 2 || p->bits > 8 || p->bits == 7 ||
            (p->group_size != 32 && p->group_size != 64 && p->group_size != 128) ||
            st < 0 || st > 2 || p->cols < 1 || depth < p->group_size ||
@@ -463,16 +467,37 @@ EXPORT int mlxgw_qdot_many(const float *x, int64_t rows, int64_t in_features,
     QDot parts[MAX_PARTS];
     const float *bias[MAX_PARTS];
     int64_t first[MAX_PARTS + 1], chunk[MAX_PARTS];
-    void *owned[MAX_PARTS][3] = {{0}};
+    void *owned[MAX_PARTS][4] = {{0}};
+    MlxgwQProj std_projs[MAX_PARTS]; /* lanes weights the lanes kernel does not take here */
+    const int lanes_ok = wide && mlxgw_qlanes_usable();
     int status = 0;
     first[0] = 0;
     for (int32_t p = 0; p < count; p++) {
         const MlxgwQProj *pr = &projs[p];
+        const int lanes = (pr->stype & MLXGW_LANES) != 0;
+        if (lanes && !lanes_ok) { /* the AVX2 or int8 kernels: the standard layout */
+            MlxgwStandard st;
+            if (mlxgw_lanes_standard(pr->w, pr->scales, pr->biases, pr->stype, 0, pr->cols,
+                                     in_features, pr->bits, pr->group_size, &st) != 0) {
+                status = 2;
+                count = p;
+                break;
+            }
+            owned[p][3] = st.block;
+            std_projs[p] = *pr;
+            std_projs[p].w = st.w;
+            std_projs[p].scales = st.scales;
+            std_projs[p].biases = st.biases;
+            std_projs[p].stype &= ~MLXGW_LANES;
+            pr = &std_projs[p];
+        }
+        const int use_lanes = lanes && lanes_ok;
+        const int order = use_lanes ? 8 : pr->bits; /* the lanes kernel reads x in order */
         const int64_t groups = in_features / pr->group_size;
         int32_t same = -1; /* an earlier part whose rounded x this one can read */
         for (int32_t e = 0; e < p && same < 0; e++)
-            if (x_layout(projs[e].bits, wide) == x_layout(pr->bits, wide) &&
-                projs[e].group_size == pr->group_size)
+            if (x_layout(parts[e].lanes ? 8 : parts[e].bits, wide) == x_layout(order, wide) &&
+                parts[e].group_size == pr->group_size)
                 same = e;
         void *xq;
         float *xs, *xsum;
@@ -489,12 +514,12 @@ EXPORT int mlxgw_qdot_many(const float *x, int64_t rows, int64_t in_features,
                 count = p + 1;
                 break;
             }
-            quantize_rows(x, rows, in_features, pr->bits, pr->group_size, wide, xq, xs, xsum);
+            quantize_rows(x, rows, in_features, order, pr->group_size, wide, xq, xs, xsum);
         }
         parts[p] = (QDot){xq, xs, xsum, pr->w, pr->scales, pr->biases, pr->out, rows,
                           in_features, pr->cols, groups, pr->bits, pr->group_size,
-                          pr->stype & ~MLXGW_SYMMETRIC, wide, (pr->stype & MLXGW_SYMMETRIC) != 0,
-                          0};
+                          pr->stype & ~(MLXGW_SYMMETRIC | MLXGW_LANES), wide,
+                          (pr->stype & MLXGW_SYMMETRIC) != 0, use_lanes, 0};
         bias[p] = pr->bias;
         chunk[p] = span_items(pr->cols, threads, QDOT_CHUNK);
         first[p + 1] = first[p] + (pr->cols + chunk[p] - 1) / chunk[p];
@@ -505,8 +530,8 @@ EXPORT int mlxgw_qdot_many(const float *x, int64_t rows, int64_t in_features,
         if (threads > first[count]) threads = (int32_t)first[count];
         run_threads(qdot_worker, &job, threads);
     }
-    for (int32_t p = 0; p < count; p++)
-        for (int k = 0; k < 3; k++) free(owned[p][k]);
+    for (int32_t p = 0; p < MAX_PARTS; p++)
+        for (int k = 0; k < 4; k++) free(owned[p][k]);
     return status;
 #else
     (void)x, (void)rows, (void)in_features, (void)projs, (void)count, (void)x_bits;
@@ -600,6 +625,17 @@ EXPORT int mlxgw_dequantize_avx2(const uint32_t *w, const void *scales, const vo
                                  int64_t out_features, int32_t bits, int32_t group_size,
                                  int32_t stype, int32_t threads, int32_t generic) {
 #if HAVE_X86_DISPATCH
+    if ((stype & MLXGW_LANES) && !generic && qdot_supported()) {
+        MlxgwStandard st;
+        if (mlxgw_lanes_standard(w, scales, biases, stype, n0, n1, in_features, bits,
+                                 group_size, &st) != 0)
+            return 2;
+        const int status = mlxgw_dequantize_avx2(
+            st.w, st.scales, st.biases, dst, n0 - st.base, n1 - st.base, in_features,
+            st.end - st.base, bits, group_size, stype & ~MLXGW_LANES, threads, generic);
+        free(st.block);
+        return status;
+    }
     const int32_t sym = (stype & MLXGW_SYMMETRIC) != 0;
     stype &= ~MLXGW_SYMMETRIC;
     if (generic || !qdot_supported() || bits < 2 || bits > 8 || bits == 7 ||

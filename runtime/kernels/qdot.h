@@ -18,6 +18,7 @@ typedef struct {
     int64_t rows, depth, cols, groups;
     int32_t bits, group_size, stype, wide; /* wide: x as int16 */
     int32_t sym; /* no biases: a group's bias is -2^(bits - 1) times its scale */
+    int32_t lanes; /* w, scales and biases in 16-feature lanes (qlanes.c), x natural */
     int64_t next;
 } QDot;
 
@@ -28,5 +29,12 @@ __attribute__((visibility("hidden"))) int mlxgw_qdot512_usable(void);
  * same integer products, summed in 16 float lanes instead of 8) */
 __attribute__((visibility("hidden"))) void mlxgw_qdot512_features(const QDot *a, int64_t n0,
                                                                   int64_t n1);
+
+/* 1 where the lanes kernel may run (the AVX-512 VNNI of qdot512.c) */
+__attribute__((visibility("hidden"))) int mlxgw_qlanes_usable(void);
+/* out[m, n] for every row m and n0 <= n < n1 (multiples of 16) of an int16-x product whose
+ * weight is in lanes, 4 or 8 bits */
+__attribute__((visibility("hidden"))) void mlxgw_qlanes_features(const QDot *a, int64_t n0,
+                                                                 int64_t n1);
 
 #endif

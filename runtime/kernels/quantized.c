@@ -282,6 +282,19 @@ EXPORT int mlxgw_quantized_matmul(const float *x, const uint32_t *w, const void 
                                   int64_t in_features, int64_t out_features, int32_t bits,
                                   int32_t group_size, int32_t stype, int32_t threads,
                                   int32_t generic) {
+    if (stype & MLXGW_LANES) { /* this kernel reads the standard layout */
+        MlxgwStandard st;
+        if (out_features % 16 != 0 || in_features % group_size != 0 || group_size < 1)
+            return 1;
+        if (mlxgw_lanes_standard(w, scales, biases, stype, 0, out_features, in_features, bits,
+                                 group_size, &st) != 0)
+            return 2;
+        const int status = mlxgw_quantized_matmul(
+            x, st.w, st.scales, st.biases, out, rows, in_features, out_features, bits,
+            group_size, stype & ~MLXGW_LANES, threads, generic);
+        free(st.block);
+        return status;
+    }
     const int32_t sym = (stype & MLXGW_SYMMETRIC) != 0;
     stype &= ~MLXGW_SYMMETRIC;
     if (!valid_format(bits, group_size, stype) || rows < 1 || out_features < 1 ||
@@ -389,6 +402,20 @@ EXPORT int mlxgw_dequantize(const uint32_t *w, const void *scales, const void *b
                             float *dst, int64_t n0, int64_t n1, int64_t in_features,
                             int64_t out_features, int32_t bits, int32_t group_size,
                             int32_t stype, int32_t threads, int32_t generic) {
+    if (stype & MLXGW_LANES) {
+        MlxgwStandard st;
+        if (n0 < 0 || n1 > out_features || n0 >= n1 || group_size < 1 ||
+            in_features % group_size != 0)
+            return 1;
+        if (mlxgw_lanes_standard(w, scales, biases, stype, n0, n1, in_features, bits,
+                                 group_size, &st) != 0)
+            return 2;
+        const int status = mlxgw_dequantize(st.w, st.scales, st.biases, dst, n0 - st.base,
+                                            n1 - st.base, in_features, st.end - st.base, bits,
+                                            group_size, stype & ~MLXGW_LANES, threads, generic);
+        free(st.block);
+        return status;
+    }
     const int32_t sym = (stype & MLXGW_SYMMETRIC) != 0;
     stype &= ~MLXGW_SYMMETRIC;
     if (!valid_format(bits, group_size, stype) || n0 < 0 || n1 > out_features || n0 >= n1 ||

@@ -14,6 +14,9 @@ extern "C" {
  * the weight has no biases array (`biases` is not read), each group's bias is
  * -2^(bits - 1) times its scale (GGUF's Q4_0, Q5_0 and Q8_0 kept without biases) */
 enum { MLXGW_SYMMETRIC = 4 };
+/* `stype` with this bit set: the weight, scales and biases are in 16-feature lanes
+ * (qlanes.c: 4, 5, 6 and 8 bits, features a multiple of 16); every entry point takes it */
+enum { MLXGW_LANES = 8 };
 
 /* out[rows, N] = x[rows, K] @ dequantize(w, scales, biases).T, float kernel (quantized.c) */
 int mlxgw_quantized_matmul(const float *x, const uint32_t *w, const void *scales,
@@ -48,6 +51,29 @@ int mlxgw_dequantize_avx2(const uint32_t *w, const void *scales, const void *bia
                           float *dst, int64_t n0, int64_t n1, int64_t in_features,
                           int64_t out_features, int32_t bits, int32_t group_size, int32_t stype,
                           int32_t threads, int32_t generic);
+
+/* rows n0..n1 of a weight in lanes, in the standard layout: rows base..end (n0 and n1
+ * rounded out to whole strips of 16) of w, scales and biases in one allocation (`block`,
+ * freed by the caller); 0, or 2 when out of memory */
+typedef struct {
+    void *block;
+    const uint32_t *w;
+    const void *scales, *biases;
+    int64_t base, end;
+} MlxgwStandard;
+/* 1 where int16 products of weights in lanes take their own kernel here (AVX-512 VNNI,
+ * MLX_GATEWAY_CPU_ISA not "avx2"); elsewhere they read a standard copy, made per call */
+int mlxgw_lanes_usable(void);
+/* dst[k * (n1 - n0) + n - n0] (the tile transposed: [K, n1 - n0]) = weight (n, k) as
+ * float32, for a weight in lanes, n0 and n1 multiples of 16; 1 where it does not run
+ * (no AVX-512 VNNI, generic): the caller dequantizes rows (`mlxgw_dequantize`) */
+int mlxgw_lanes_dequantize_t(const uint32_t *w, const void *scales, const void *biases,
+                             float *dst, int64_t n0, int64_t n1, int64_t in_features,
+                             int32_t bits, int32_t group_size, int32_t stype, int32_t threads,
+                             int32_t generic);
+int mlxgw_lanes_standard(const uint32_t *w, const void *scales, const void *biases,
+                         int32_t stype, int64_t n0, int64_t n1, int64_t in_features,
+                         int32_t bits, int32_t group_size, MlxgwStandard *out);
 
 #ifdef __cplusplus
 }

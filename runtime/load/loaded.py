@@ -16,7 +16,7 @@ from mlx.nn.layers.quantized import quantize
 
 from runtime import backend
 from runtime.models.base import LanguageModel
-from runtime.models.linear import choose_small_gemm, drop_symmetric_biases
+from runtime.models.linear import choose_small_gemm, drop_symmetric_biases, use_lanes
 from runtime.text import Tokenizer
 from runtime.vision import VisionSpec
 
@@ -104,6 +104,10 @@ def finish_model(
     freed = drop_symmetric_biases(model)
     if freed:
         log.info("symmetric groups kept without biases: %.1f MB less", freed / 1e6)
+    moved = use_lanes(model)
+    if moved:
+        mx.eval(model.parameters())
+        log.info("%d linear layers' weights in 16-feature lanes (the CPU decode layout)", moved)
     choose_small_gemm(model)
 
 

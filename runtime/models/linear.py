@@ -30,6 +30,7 @@ from mlx.nn.layers.quantized import QuantizedEmbedding as _MLXQuantizedEmbedding
 from mlx.nn.layers.quantized import QuantizedLinear as _MLXQuantizedLinear
 
 from runtime import kernels as cpu_kernels
+from runtime.kernels import lanes
 
 # a block whose largest float matrix is smaller than this stays on MLX's GEMM
 BLOCK_MIN_WEIGHT_BYTES = 8 << 20
@@ -135,15 +136,20 @@ class QuantizedEmbedding(_MLXQuantizedEmbedding):
         if self.mode != "affine":
             out: mx.array = super().__call__(x)
             return out
-        scales = self["scales"][x]
-        biases = (
-            self["biases"][x]
-            if "biases" in self
-            else cpu_kernels.symmetric_biases(scales, self.bits)
-        )
+        if lanes.in_lanes(self["weight"]):  # gathered from their strips (`use_lanes`)
+            w, scales, stored = lanes.rows(
+                self["weight"], self["scales"], self.get("biases"), x.flatten(), self.bits
+            )
+            w, scales = w.reshape(*x.shape, -1), scales.reshape(*x.shape, -1)
+            stored = None if stored is None else stored.reshape(*x.shape, -1)
+        else:
+            w, scales, stored = self["weight"][x], self["scales"][x], None
+            if "biases" in self:
+                stored = self["biases"][x]
+        biases = stored if stored is not None else cpu_kernels.symmetric_biases(scales, self.bits)
         cpu = mx.default_device() == mx.cpu
         out = mx.dequantize(
-            self["weight"][x],
+            w,
             scales=scales.astype(mx.float32),
             biases=biases.astype(mx.float32),
             group_size=self.group_size,
@@ -208,3 +214,39 @@ def drop_symmetric_biases(model: object) -> int:
         del layer["biases"]
         object.__setattr__(layer, "biases", None)  # MLX's layers read `self.biases`
     return freed
+
+
+def use_lanes(model: object) -> int:
+    """Keep the 4- and 8-bit linear layers' weights in 16-feature lanes on a CPU whose
+    decode kernel multiplies 16 features per vector (runtime/kernels/lanes.py,
+    qlanes.c): the number of layers moved. The same bytes, permuted; every CPU primitive
+    reads either layout, and MLX's ops get the standard one back. A 4- or 8-bit
+    embedding moves too (its lookup gathers rows from their strips; a tied output head
+    is its biggest product). Nothing moves where `lanes_ready` is false, nor a layer
+    whose parent reads its arrays itself (the parent's `reads_weights`)."""
+    if not isinstance(model, Module) or not cpu_kernels.lanes_ready():
+        return 0
+    moved = 0
+    modules = model.named_modules()
+    # children a module reads the arrays of itself (its `reads_weights`) stay standard
+    kept = {
+        f"{path}.{child}" if path else child
+        for path, module in modules
+        for child in getattr(module, "reads_weights", ())
+    }
+    for path, layer in modules:
+        if type(layer) not in (QuantizedLinear, QuantizedEmbedding) or layer.mode != "affine":
+            continue
+        if path in kept:
+            continue
+        w, scales = layer["weight"], layer["scales"]
+        if not lanes.fits(w, scales, layer.bits, layer.group_size):
+            continue
+        if isinstance(layer, QuantizedEmbedding) and layer.bits not in (4, 8):
+            continue  # a lookup gathers 4- and 8-bit rows (`lanes.rows`)
+        w, scales, biases = lanes.to_lanes(w, scales, layer.get("biases"), layer.bits)
+        layer["weight"], layer["scales"] = w, scales
+        if biases is not None:
+            layer["biases"] = biases
+        moved += 1
+    return moved

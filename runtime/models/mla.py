@@ -146,6 +146,10 @@ def use_absorbed(cfg: MLAConfig, length: int, keys: int) -> bool:
 class MultiLatentAttention(Module):
     """MLA over a LatentCache; parameter names are transformers'."""
 
+    # its weight is read a head's rows at a time (`_head_weights`): kept in mx.quantize's
+    # layout (runtime/models/linear.py `use_lanes`)
+    reads_weights = ("kv_b_proj",)
+
     def __init__(self, cfg: MLAConfig, rope: RoPE) -> None:
         super().__init__()
         self.cfg = cfg

@@ -181,13 +181,14 @@ void check_layer(
       inv_freq.shape(0) == spec.rope_dims / 2 && offsets.ndim() == 1 &&
       size_t(offsets.shape(0)) == batch && keys.size() == batch && values.size() == batch;
   for (size_t i = 0; ok && i < w.size(); i++) {
-    ok = w[i].ndim() == 2;
+    ok = w[i].ndim() == 2 || in_lanes(w[i]);
   }
   if (ok) {
     const int64_t d = x.shape(2), qd = int64_t(spec.heads) * hd, kd = int64_t(spec.kv_heads) * hd;
-    const int64_t out[kProducts] = {qd, kd, kd, d, w[kGate].shape(0), w[kGate].shape(0), d};
+    const int64_t ff = out_features(w[kGate]);
+    const int64_t out[kProducts] = {qd, kd, kd, d, ff, ff, d};
     for (int i = 0; ok && i < kProducts; i++) {
-      ok = w[size_t(i)].shape(0) == out[i];
+      ok = out_features(w[size_t(i)]) == out[i];
     }
   }
   for (size_t b = 0; ok && b < batch; b++) {
@@ -257,7 +258,7 @@ std::vector<mx::array> decoder_layer(
   std::vector<Product> products;
   const int64_t depth[kProducts] = {
       x.shape(2), x.shape(2), x.shape(2), int64_t(heads) * head_dim, x.shape(2), x.shape(2),
-      w[kGate].shape(0)};
+      out_features(w[kGate])};
   for (size_t i = 0; i < kProducts; i++) {
     check_format(w[i], scales[i], biases[i], depth[i], group_size[i], bits[i]);
     inputs.insert(inputs.end(), {w[i], scales[i]});
@@ -265,7 +266,7 @@ std::vector<mx::array> decoder_layer(
       inputs.push_back(*biases[i]);
     }
     if (bias[i]) {
-      if (bias[i]->ndim() != 1 || bias[i]->shape(0) != w[i].shape(0)) {
+      if (bias[i]->ndim() != 1 || bias[i]->shape(0) != out_features(w[i])) {
         throw std::invalid_argument("[mlxgw.decoder_layer] a bias must be (out_features,)");
       }
       inputs.push_back(mx::astype(*bias[i], mx::float32, stream));
@@ -321,14 +322,12 @@ void DecoderLayer::eval_cpu(
     auto w = take(true);
     auto sc = take(true);
     const void* bp = nullptr;
-    int stype = scale_type(sc.dtype());
+    int stype = product_stype(w, sc, p.has_biases);
     if (p.has_biases) {
       bp = take(true).data<void>();
-    } else {
-      stype |= MLXGW_SYMMETRIC;
     }
     const float* bias = p.has_bias ? take(true).data<float>() : nullptr;
-    task.products.push_back({w.data<uint32_t>(), sc.data<void>(), bp, bias, nullptr, w.shape(0),
+    task.products.push_back({w.data<uint32_t>(), sc.data<void>(), bp, bias, nullptr, out_features(w),
                              p.bits, p.group_size, stype});
     task.weight_bytes.push_back(w.nbytes());
   }

@@ -9,6 +9,7 @@
 #include "mlx/version.h"
 #include "layer.h"
 #include "primitives.h"
+#include "quantized.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -19,6 +20,12 @@ NB_MODULE(_mlx_ext, m) {
   m.attr("mlx_version") = std::string(mlx::core::version());
   m.attr("mlx_header_version") = std::to_string(MLX_VERSION_MAJOR) + "." +
       std::to_string(MLX_VERSION_MINOR) + "." + std::to_string(MLX_VERSION_PATCH);
+  m.def(
+      "lanes_usable",
+      []() { return mlxgw_lanes_usable() != 0; },
+      "whether this CPU runs the 16-feature lanes kernel (AVX-512 VNNI) and the "
+      "environment does not pin another ISA: a 4- or 8-bit weight is worth keeping in "
+      "lanes (runtime/kernels/lanes.py)");
   m.def(
       "quantized_matmul",
       &mlxgw::quantized_matmul,

@@ -80,10 +80,16 @@ void check_format(
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument("[mlxgw.quantized_matmul] group_size must be 32, 64 or 128");
   }
-  int64_t cols = w.ndim() == 2 ? w.shape(0) : 0;
+  bool lanes = in_lanes(w) && w.shape(2) == 16 && bits >= 4 && bits <= 8 && bits != 7;
+  int64_t cols = w.ndim() == 2 || lanes ? w.shape(0) : 0;
   int64_t groups = depth / group_size;
-  bool ok = w.dtype() == mx::uint32 && depth % group_size == 0 && cols > 0 && groups > 0 &&
-      w.shape(1) == depth * bits / 32 && scales.shape() == mx::Shape{int(cols), int(groups)} &&
+  mx::Shape scale_shape{int(cols), int(groups)};
+  if (lanes) {
+    scale_shape.push_back(16);
+  }
+  bool ok = w.dtype() == (lanes ? mx::int32 : mx::uint32) && depth % group_size == 0 &&
+      cols > 0 && groups > 0 &&
+      w.shape(1) == depth * bits / 32 && scales.shape() == scale_shape &&
       (!biases || (biases->shape() == scales.shape() && biases->dtype() == scales.dtype()));
   if (!ok) {
     std::ostringstream msg;
@@ -94,7 +100,8 @@ void check_format(
     } else {
       msg << "none";
     }
-    msg << " for " << bits << " bits in groups of " << group_size;
+    msg << " for " << bits << " bits in groups of " << group_size
+        << " (2-D, or 3-D in 16-feature lanes for 4, 5, 6 and 8 bits)";
     throw std::invalid_argument(msg.str());
   }
   scale_type(scales.dtype());
@@ -201,6 +208,51 @@ mx::array unit_last_stride(const mx::array& arr, mx::Stream stream) {
 
 namespace {
 
+// features n0..n1 of a product's weight as float32 for the BLAS, in `buffer`: as rows
+// [n1 - n0, depth] (false), or transposed, [depth, n1 - n0] (true: a weight in lanes,
+// whose layout holds 16 features per weight index)
+bool dequantize_tile(
+    const ProductArgs& p,
+    float* buffer,
+    int64_t n0,
+    int64_t n1,
+    int64_t depth,
+    int threads,
+    int generic) {
+  if (p.stype & MLXGW_LANES) {
+    int status = mlxgw_lanes_dequantize_t(
+        p.w, p.scales, p.biases, buffer, n0, n1, depth, p.bits, p.group_size, p.stype, threads,
+        generic);
+    if (status == 0) {
+      return true;
+    }
+    if (status != 1) {
+      check_status(status, "dequantize");
+    }
+  }
+  check_status(
+      dequantize_rows(
+          p.w, p.scales, p.biases, buffer, n0, n1, depth, p.cols, p.bits, p.group_size,
+          p.stype, threads, generic),
+      "dequantize");
+  return false;
+}
+
+// out[rows, n1 - n0] (row stride ldc) = x @ the tile, transposed or not
+void tile_product(
+    const float* x,
+    int64_t rows,
+    int64_t depth,
+    const float* tile,
+    bool transposed,
+    int64_t width,
+    float* out,
+    int64_t ldc) {
+  cblas_sgemm(
+      kRowMajor, kNoTrans, transposed ? kNoTrans : kTrans, int(rows), int(width), int(depth),
+      1.0f, x, int(depth), tile, int(transposed ? width : depth), 0.0f, out, int(ldc));
+}
+
 // one product over a prompt's rows: a tile of features at a time, dequantized, through
 // the BLAS; or the float kernel over a few rows
 void product(
@@ -228,14 +280,8 @@ void product(
     }
     for (int64_t n0 = 0; n0 < p.cols; n0 += tile) {
       int64_t n1 = std::min(p.cols, n0 + tile);
-      check_status(
-          dequantize_rows(
-              p.w, p.scales, p.biases, buffer.data(), n0, n1, depth, p.cols, p.bits,
-              p.group_size, p.stype, threads, generic),
-          "dequantize");
-      cblas_sgemm(
-          kRowMajor, kNoTrans, kTrans, int(rows), int(n1 - n0), int(depth), 1.0f, x,
-          int(depth), buffer.data(), int(depth), 0.0f, p.out + n0, int(p.cols));
+      bool transposed = dequantize_tile(p, buffer.data(), n0, n1, depth, threads, generic);
+      tile_product(x, rows, depth, buffer.data(), transposed, n1 - n0, p.out + n0, p.cols);
     }
   }
   if (p.bias != nullptr) {
@@ -298,16 +344,11 @@ void gated_products(
   for (int64_t n0 = 0; n0 < cols; n0 += tile) {
     int64_t n1 = std::min(cols, n0 + tile), w = n1 - n0;
     for (const ProductArgs* p : {&gate, &upp}) {
-      check_status(
-          dequantize_rows(
-              p->w, p->scales, p->biases, buffer.data(), n0, n1, depth, cols, p->bits,
-              p->group_size, p->stype, threads, generic),
-          "dequantize");
+      bool transposed = dequantize_tile(*p, buffer.data(), n0, n1, depth, threads, generic);
       bool is_gate = p == &gate;
-      cblas_sgemm(
-          kRowMajor, kNoTrans, kTrans, int(rows), int(w), int(depth), 1.0f, x, int(depth),
-          buffer.data(), int(depth), 0.0f, is_gate ? gated + n0 : up.data(),
-          int(is_gate ? cols : w));
+      tile_product(
+          x, rows, depth, buffer.data(), transposed, w, is_gate ? gated + n0 : up.data(),
+          is_gate ? cols : w);
     }
     GatedBand job{gated + n0, up.data(), rows, w, cols, act, generic, {0}};
     mlxgw_pool_run(gated_band_rows, &job, threads);
@@ -316,7 +357,7 @@ void gated_products(
 
 mx::Shape product_shape(const mx::array& x, const mx::array& w) {
   mx::Shape shape = x.shape();
-  shape.back() = w.shape(0);
+  shape.back() = int(out_features(w));
   return shape;
 }
 
@@ -346,7 +387,7 @@ std::vector<mx::array> quantized_matmuls(
     throw std::invalid_argument("[mlxgw.quantized_matmuls] x must have at least one axis");
   }
   int act = activation_kind(activation);
-  if (act >= 0 && (count != 2 || w[0].shape(0) != w[1].shape(0))) {
+  if (act >= 0 && (count != 2 || out_features(w[0]) != out_features(w[1]))) {
     throw std::invalid_argument(
         "[mlxgw.quantized_matmuls] a gated activation takes two weights of one shape");
   }
@@ -361,7 +402,7 @@ std::vector<mx::array> quantized_matmuls(
       inputs.push_back(*biases[i]);
     }
     if (bias[i].has_value()) {
-      if (bias[i]->ndim() != 1 || bias[i]->shape(0) != w[i].shape(0)) {
+      if (bias[i]->ndim() != 1 || bias[i]->shape(0) != out_features(w[i])) {
         throw std::invalid_argument("[mlxgw.quantized_matmuls] a bias must be (out_features,)");
       }
       inputs.push_back(mx::astype(*bias[i], mx::float32, stream));
@@ -439,14 +480,14 @@ mx::array dequantize(
     int bits,
     int threads,
     bool generic) {
-  if (w.ndim() != 2) {
-    throw std::invalid_argument("[mlxgw.dequantize] w must be 2-D");
+  if (w.ndim() != 2 && w.ndim() != 3) {
+    throw std::invalid_argument("[mlxgw.dequantize] w must be 2-D (or 3-D in lanes)");
   }
   int64_t depth = w.shape(1) * 32 / bits;
   check_format(w, scales, biases, depth, group_size, bits);
   auto stream = mx::default_stream(mx::Device::cpu);
   return mx::array(
-      mx::Shape{w.shape(0), int(depth)},
+      mx::Shape{int(out_features(w)), int(depth)},
       mx::float32,
       std::make_shared<Dequantize>(stream, group_size, bits, std::max(1, threads), generic),
       biases ? std::vector<mx::array>{w, scales, *biases} : std::vector<mx::array>{w, scales});
@@ -469,13 +510,11 @@ void QuantizedMatmul::eval_cpu(
     auto scales = row_contiguous(inputs[at + 1], s);
     at += 2;
     const void* biases = nullptr;
-    int stype = scale_type(scales.dtype());
+    int stype = product_stype(w, scales, products_[i].has_biases);
     if (products_[i].has_biases) {
       auto b = row_contiguous(inputs[at++], s);
       encoder.set_input_array(b);
       biases = b.data<void>();
-    } else {
-      stype |= MLXGW_SYMMETRIC;
     }
     const float* bias = nullptr;
     if (products_[i].has_bias) {
@@ -488,7 +527,7 @@ void QuantizedMatmul::eval_cpu(
     }
     weight_bytes += w.nbytes();
     args.push_back(
-        {w.data<uint32_t>(), scales.data<void>(), biases, bias, nullptr, w.shape(0),
+        {w.data<uint32_t>(), scales.data<void>(), biases, bias, nullptr, out_features(w),
          products_[i].bits, products_[i].group_size, stype});
   }
   for (auto& out : outputs) {
@@ -677,12 +716,11 @@ void Dequantize::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   encoder.set_input_array(w);
   encoder.set_input_array(scales);
   const void* bp = nullptr;
-  int stype = scale_type(scales.dtype()) | MLXGW_SYMMETRIC;
+  int stype = product_stype(w, scales, inputs.size() > 2);
   if (inputs.size() > 2) {
     auto biases = row_contiguous(inputs[2], stream());
     encoder.set_input_array(biases);
     bp = biases.data<void>();
-    stype &= ~MLXGW_SYMMETRIC;
   }
   encoder.set_output_array(out);
   encoder.dispatch([wp = w.data<uint32_t>(),
@@ -713,7 +751,7 @@ bool Dequantize::is_equivalent(const mx::Primitive& other) const {
 }
 
 std::vector<mx::Shape> Dequantize::output_shapes(const std::vector<mx::array>& inputs) {
-  return {mx::Shape{inputs[0].shape(0), int(inputs[0].shape(1) * 32 / bits_)}};
+  return {mx::Shape{int(out_features(inputs[0])), int(inputs[0].shape(1) * 32 / bits_)}};
 }
 
 mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, bool unit_offset) {

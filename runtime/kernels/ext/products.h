@@ -12,6 +12,7 @@
 #include "mlx/mlx.h"
 
 #include "kernels.h"
+#include "quantized.h"
 
 namespace mlxgw {
 
@@ -19,6 +20,21 @@ namespace mx = mlx::core;
 
 // MLXGW's code for a scales dtype (quantized.h), or invalid_argument
 int scale_type(mx::Dtype dtype);
+// A weight in 16-feature lanes (qlanes.c; runtime/kernels/lanes.py writes it): w int32
+// [N / 16, K * bits / 32, 16], scales and biases [N / 16, K / group_size, 16]. The
+// standard layout (mx.quantize's) is uint32 [N, K * bits / 32].
+inline bool in_lanes(const mx::array& w) {
+  return w.ndim() == 3 && w.dtype() == mx::int32;
+}
+// the weight's output features, in either layout
+inline int64_t out_features(const mx::array& w) {
+  return in_lanes(w) ? 16 * int64_t(w.shape(0)) : int64_t(w.shape(0));
+}
+// scale_type's code with the layout's and the symmetric groups' bits (quantized.h)
+inline int product_stype(const mx::array& w, const mx::array& scales, bool has_biases) {
+  return scale_type(scales.dtype()) | (in_lanes(w) ? MLXGW_LANES : 0) |
+      (has_biases ? 0 : MLXGW_SYMMETRIC);
+}
 // invalid_argument for a weight whose arrays do not fit `depth`, `group_size`, `bits`
 void check_format(
     const mx::array& w,

@@ -23,6 +23,7 @@ SOURCES = [
             "quantized.c",
             "qdot.c",
             "qdot512.c",
+            "qlanes.c",
             "pool.c",
             "rows.c",
             "decode_attention.c",

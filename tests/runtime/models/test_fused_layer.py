@@ -22,9 +22,9 @@ from mlx.nn.layers.quantized import quantize
 
 from runtime import kernels as cpu_kernels
 from runtime.cache import BatchCaches
-from runtime.kernels import primitives
+from runtime.kernels import lanes, primitives
 from runtime.models import decoder, fused_layer
-from runtime.models.linear import QuantizedLinear, drop_symmetric_biases
+from runtime.models.linear import QuantizedLinear, drop_symmetric_biases, use_lanes
 from tests.support.tiny_models import load_mlx, make_tiny
 
 FUSED = ["llama", "llama_bias_tied", "llama3_rope", "qwen2", "qwen3", "qwen2_yarn"]
@@ -155,3 +155,23 @@ def test_a_float_model_runs_its_modules(
     make_tiny("llama", tmp_path, seed=5)
     _steps(load_mlx(tmp_path), monkeypatch, fused=True)
     assert count[0] == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama_bias_tied"])
+def test_weights_in_lanes_give_the_bits_of_the_separate_primitives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count: list[int], name: str
+) -> None:
+    """The layer primitive and the separate ones both read 16-feature lanes
+    (runtime/kernels/lanes.py); what they give stays close to the standard layout's."""
+    model = _quantized(name, tmp_path)
+    standard = _steps(model, monkeypatch, fused=True)
+    moved = use_lanes(model)
+    if not cpu_kernels.lanes_ready():
+        pytest.skip("weights stay standard here")
+    assert moved > 0 and lanes.in_lanes(model.model.layers[0].mlp.down_proj["weight"])
+    fused = _steps(model, monkeypatch, fused=True)
+    assert count[0] > 0
+    separate = _steps(model, monkeypatch, fused=False)
+    for a, b, c in zip(separate, fused, standard, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(b, c, rtol=1e-3, atol=2e-3)
