@@ -85,7 +85,9 @@ SHORT = _tokens(5, 2, 11)
 WAVE = (
     Ask("long", LONG, 8),
     Ask("short", SHORT, 10),
-    Ask("cancelled", _tokens(21, 3, 12), 40, cancel=True),
+    # room for 400 tokens (the tiny models' 512 positions): the client's cancel after 2
+    # lands from its own thread whenever that runs, and with 40 a fast step outran it
+    Ask("cancelled", _tokens(21, 3, 12), 400, cancel=True),
     Ask("branch", LONG[:24] + _tokens(9, 4, 13), 6),  # the trie hits "long"'s prompt
     Ask("one", (14,), 5),  # a one-token prompt
 )
