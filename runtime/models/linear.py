@@ -217,7 +217,7 @@ def drop_symmetric_biases(model: object) -> int:
 
 
 def use_lanes(model: object) -> int:
-    """Keep the 4- and 8-bit linear layers' weights in 16-feature lanes on a CPU whose
+    """Keep the 4-, 5-, 6- and 8-bit linear layers' weights in 16-feature lanes on a CPU whose
     decode kernel multiplies 16 features per vector (runtime/kernels/lanes.py,
     qlanes.c): the number of layers moved. The same bytes, permuted; every CPU primitive
     reads either layout, and MLX's ops get the standard one back. A 4- or 8-bit
