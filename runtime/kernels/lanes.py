@@ -81,10 +81,8 @@ def to_lanes(
         )
     if bits == 8:  # (strip, feature, block, chunk, t) -> (strip, block, chunk, feature, t)
         out = raw.reshape(n // LANES, LANES, blocks, 16, 2)
-    else:  # a chunk's standard bytes 2c, 2c + 1 hold weights 4c .. 4c + 3
-        pairs = raw.reshape(n // LANES, LANES, blocks, 8, 2)
-        s0, s1 = pairs[..., 0], pairs[..., 1]
-        out = np.stack([(s0 & 15) | ((s1 & 15) << 4), (s0 >> 4) | (s1 & 0xF0)], axis=-1)
+    else:
+        out = _swap_nibbles(raw.reshape(n // LANES, LANES, blocks, 8, 2))
     lanes = np.ascontiguousarray(out.transpose(0, 2, 3, 1, 4)).reshape(n // LANES, -1)
     return (
         mx.array(lanes.view(np.int32).reshape(n // LANES, words, LANES)),
@@ -110,14 +108,21 @@ def to_standard(
     chunks = 16 if bits == 8 else 8
     out = raw.reshape(strips, blocks, chunks, LANES, 2).transpose(0, 3, 1, 2, 4)
     if bits == 4:
-        l0, l1 = out[..., 0], out[..., 1]
-        out = np.stack([(l0 & 15) | ((l1 & 15) << 4), (l0 >> 4) | (l1 & 0xF0)], axis=-1)
+        out = _swap_nibbles(out)
     standard = np.ascontiguousarray(out).reshape(strips * LANES, -1).view(np.uint32)
     return (
         mx.array(standard),
         _groups_to_standard(scales),
         None if biases is None else _groups_to_standard(biases),
     )
+
+
+def _swap_nibbles(pairs: np.ndarray) -> np.ndarray:
+    """Byte pairs (last axis) between the two 4-bit orders, either way: standard bytes
+    2c, 2c + 1 (weights 4c, 4c + 1 | 4c + 2, 4c + 3) and lanes bytes t = 0, 1 (weights
+    4c + t | 4c + 2 + t). The map is its own inverse."""
+    a, b = pairs[..., 0], pairs[..., 1]
+    return np.stack([(a & 15) | ((b & 15) << 4), (a >> 4) | (b & 0xF0)], axis=-1)
 
 
 def _values(raw: np.ndarray, bits: int) -> np.ndarray:
@@ -138,9 +143,7 @@ def _planes_to_lanes(raw: np.ndarray, bits: int, blocks: int) -> np.ndarray:
     q = _values(raw, bits)
     n = q.shape[0]
     nibbles = (q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)  # 4-bit standard bytes
-    pairs = nibbles.reshape(n // LANES, LANES, blocks, 8, 2)
-    s0, s1 = pairs[..., 0], pairs[..., 1]
-    low = np.stack([(s0 & 15) | ((s1 & 15) << 4), (s0 >> 4) | (s1 & 0xF0)], axis=-1)
+    low = _swap_nibbles(nibbles.reshape(n // LANES, LANES, blocks, 8, 2))
     parts = [low.transpose(0, 2, 3, 1, 4).reshape(n // LANES, blocks, _NIBBLES)]
     for p in range(bits - 4):
         bit = ((q >> (4 + p)) & 1).reshape(n // LANES, LANES, blocks, 8, 2, 2)
@@ -153,9 +156,7 @@ def _planes_to_standard(raw: np.ndarray, bits: int) -> np.ndarray:
     """`_planes_to_lanes`'s inverse, from [N / 16, blocks, 64 * bits] bytes."""
     strips, blocks, _ = raw.shape
     low = raw[..., :_NIBBLES].reshape(strips, blocks, 8, LANES, 2).transpose(0, 3, 1, 2, 4)
-    l0, l1 = low[..., 0], low[..., 1]
-    nib = np.stack([(l0 & 15) | ((l1 & 15) << 4), (l0 >> 4) | (l1 & 0xF0)], axis=-1)
-    nib = nib.reshape(strips * LANES, -1)
+    nib = _swap_nibbles(low).reshape(strips * LANES, -1)
     q = np.empty((strips * LANES, nib.shape[1] * 2), dtype=np.uint8)
     q[:, 0::2], q[:, 1::2] = nib & 15, nib >> 4
     for p in range(bits - 4):
