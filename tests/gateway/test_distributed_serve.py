@@ -172,6 +172,15 @@ class Group:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"the group did not end:\n{self.output}") from None
 
+    def said(self, text: str) -> None:
+        """Wait for `text` in the launcher's output (within LINGER_S): the thread reading
+        its pipe may not have reached a line the launcher has already written."""
+        deadline = time.monotonic() + LINGER_S
+        while text not in self.output:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the launcher never said {text!r}:\n{self.output}")
+            time.sleep(0.1)
+
     def logged(self, text: str) -> str:
         """Rank 0's log file once it holds `text` (within LINGER_S)."""
         deadline = time.monotonic() + LINGER_S
@@ -352,8 +361,8 @@ def _stop_lingering(group: Group, rank_0: int) -> None:
     os.kill(rank_0, signal.SIGTERM)
     group.wait_exit()
     assert not pid_alive(rank_0)
-    assert "Node with rank 0 exited with code 1" in group.output
-    assert f"its log is now {group.log}" in group.output
+    group.said("Node with rank 0 exited with code 1")
+    group.said(f"its log is now {group.log}")
     assert "SIGTERM: leaving (the distributed group was lost" in group.log.read_text()
 
 
@@ -396,7 +405,7 @@ def test_pipeline_parallel_serves_as_one_process_and_a_killed_rank_gives_503s(
         # off the launcher's pipe (which the launcher no longer reads: it waits for it)
         log = group.logged("SIGTERM after the distributed group was lost")
         assert "rank 1" in log and "restart the group with mlx.launch" in log
-        assert "Node with rank 1 exited" in group.output
+        group.said("Node with rank 1 exited")
         # the log line is rank 0's handler deciding to stay; /health below answers from it
         assert pid_alive(rank_0) and group.process.poll() is None
         _failed_for_good(group, "rank 1")
@@ -429,7 +438,7 @@ def test_a_healthy_group_stopped_drains_and_ends(
         group.wait_exit()
         assert not any(pid_alive(pid) for pid in pids)
         assert not group.log.exists()  # it never stayed up
-        assert f"{sig.name}: draining" in group.output, group.output
+        group.said(f"{sig.name}: draining")
         assert "exited with code" not in group.output, group.output  # every rank: 0
 
 
