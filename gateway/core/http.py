@@ -124,22 +124,25 @@ async def _read_body(request: Request, max_bytes: int | None) -> bytearray:
     limit = max_bytes if max_bytes is not None else settings.max_body_bytes
     declared = request.headers.get("content-length")
     too_big = f"The request body exceeds this server's limit of {limit} bytes."
+    # the rest of the body is never read: the connection closes (lingering, so the
+    # client still reads this answer: gateway/server/linger.py)
+    close = {"Connection": "close"}
     if declared and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(too_big, code="request_too_large")
+        raise PayloadTooLarge(too_big, code="request_too_large", headers=close)
     body = bytearray()
     try:
         with anyio.fail_after(settings.body_timeout_seconds):
             async for chunk in request.stream():
                 body += chunk
                 if len(body) > limit:
-                    raise PayloadTooLarge(too_big, code="request_too_large")
+                    raise PayloadTooLarge(too_big, code="request_too_large", headers=close)
     except TimeoutError:
         seconds = f"{settings.body_timeout_seconds:g}"
         raise RequestTimeout(
             f"The request body did not arrive within {seconds} s ({len(body)} bytes came); "
             "send the whole body at once.",
             code="request_timeout",
-            headers={"Connection": "close"},  # the rest of the body is never read
+            headers=close,
         ) from None
     if not body:
         raise InvalidRequest("The request body is empty; send a JSON object.")

@@ -13,7 +13,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from gateway.server.linger import LingeringTransport
 
 _TIMEOUT_408 = (
     b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
@@ -22,7 +25,8 @@ _TIMEOUT_408 = (
 
 
 class HeadDeadlineProtocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection whose request head is late."""
+    """uvicorn's h11 protocol, closing a connection whose request head is late, and
+    lingering on a close while its client is still sending (gateway/server/linger.py)."""
 
     head_timeout = 30.0  # seconds; set by `head_deadline_protocol`
 
@@ -31,10 +35,19 @@ class HeadDeadlineProtocol(H11Protocol):
         self._head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        self._linger = LingeringTransport(transport, self)
+        super().connection_made(self._linger)  # type: ignore[arg-type]
         self._arm_head()
 
+    def unread_input(self) -> bool:
+        """Whether the client may still be sending: a body not read to its end, a
+        request that broke the protocol, or bytes of a head not yet complete."""
+        pending, _ = self.conn.trailing_data
+        return self.conn.their_state in (h11.SEND_BODY, h11.ERROR) or bool(pending)
+
     def data_received(self, data: bytes) -> None:
+        if self._linger.lingering:
+            return  # the answer went out: what the client still sends is dropped
         waiting = self.cycle is None or self.cycle.response_complete
         if waiting:
             self._arm_head()  # a new request's first bytes (the idle timer stops here)
@@ -43,8 +56,14 @@ class HeadDeadlineProtocol(H11Protocol):
         if self.cycle is not before:  # its head arrived: the body has its own bound
             self._disarm_head()
 
+    def eof_received(self) -> None:
+        if self._linger.lingering:
+            self._linger.abort_linger()  # the client has closed its side too
+        super().eof_received()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head()
+        self._linger.lost()
         super().connection_lost(exc)
 
     def _arm_head(self) -> None:

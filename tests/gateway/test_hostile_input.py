@@ -383,14 +383,19 @@ def _trickle(url: str, path: str, seconds: float = HANG_S) -> tuple[bytes, float
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(head.encode())
         sock.settimeout(0.1)
+        sending = True
         while time.monotonic() - started < seconds:
             try:
-                sock.sendall(b" ")  # whitespace: the body stays valid JSON so far
+                if sending:
+                    sock.sendall(b" ")  # whitespace: the body stays valid JSON so far
+            except OSError:
+                sending = False  # the server stopped reading: what it sent is still read
+            try:
                 chunk = sock.recv(65536)
             except TimeoutError:
                 continue
             except OSError:
-                break  # closed by the server
+                break  # reset by the server
             if not chunk:
                 break
             received += chunk

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -145,6 +146,33 @@ def test_body_size_cap(secure_url: str) -> None:
         f"{secure_url}{CHAT}", content=chunks, headers={"content-type": "application/json", **AUTH}
     )
     error_of(r, 413)
+    _ok(secure_url)
+
+
+def test_an_upload_over_the_cap_ends_in_an_orderly_close(secure_url: str) -> None:
+    """The 413 goes out as soon as the head declares too many bytes, with the body
+    unread. Closing a socket on unread bytes makes the kernel reset the connection, and
+    a client still sending sees "connection reset" (some stacks drop the answer with
+    it). The server lingers instead: it sends the answer and its end, reads and drops
+    what still comes, and closes once the client has closed its side."""
+    host, port = secure_url.removeprefix("http://").split(":")
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\ncontent-type: application/json\r\n"
+        f"authorization: Bearer {KEY}\r\ncontent-length: {8 << 20}\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head.encode() + b"{" + b" " * (1 << 20))  # more than the server reads
+        received = b""
+        while b"\r\n\r\n" not in received or not received.endswith(b"}"):
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
+        sock.sendall(b" " * (1 << 20))  # the client goes on sending: still read
+        sock.shutdown(socket.SHUT_WR)
+        assert sock.recv(65536) == b""  # the server's end, not a reset
+    status, _, rest = received.partition(b"\r\n")
+    assert status == b"HTTP/1.1 413 Request Entity Too Large", status
+    assert b"65536" in rest.partition(b"\r\n\r\n")[2]
     _ok(secure_url)
 
 
