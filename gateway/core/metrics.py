@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from runtime.engine import EngineStats
+from runtime.engine import EngineStats, allocator_bytes
 from runtime.types import FinishReason, GenerationStats
 
 if TYPE_CHECKING:
@@ -165,6 +165,7 @@ class Metrics:
         Gauge(PREFIX + "start_time_seconds", "Unix time the server started.", registry=r).set(
             self.started
         )
+        r.register(AllocatorCollector())
         if os.path.isdir("/proc/self"):
             ProcessCollector(registry=r)
         else:  # macOS: prometheus_client's process collector reads only /proc
@@ -265,6 +266,24 @@ class _Scrape(Collector):
             else:
                 yield reading.labelled(self._views)
         yield from self._registry.collect()
+
+
+class AllocatorCollector(Collector):
+    """MLX's allocator (runtime/engine/memory.py): arrays alive, freed buffers kept for
+    reuse (they count in resident memory, up to the buffer cache's limit), its peak."""
+
+    def collect(self) -> Iterable[Metric]:
+        held = allocator_bytes()
+        for name, help_text, value in (
+            (
+                "active",
+                "Bytes of MLX arrays alive (weights, caches, a step's arrays).",
+                held.active,
+            ),
+            ("cache", "Bytes of freed MLX buffers kept for reuse (bounded).", held.cache),
+            ("peak", "The most bytes MLX arrays held at once since start.", held.peak),
+        ):
+            yield GaugeMetricFamily(f"{PREFIX}mlx_{name}_memory_bytes", help_text, value=value)
 
 
 class RusageCollector(Collector):

@@ -7,6 +7,7 @@ from runtime.batch import RequestHandle
 from runtime.engine.activity import Activity, ActivityView, RequestRecord, RowView
 from runtime.engine.encoder import EncoderRunner, EncoderSettings
 from runtime.engine.engine import Engine
+from runtime.engine.memory import AllocatorBytes, allocator_bytes
 from runtime.engine.runner import CacheView, ModelRunner, RunnerSettings
 from runtime.engine.turns import Turn, Turns
 from runtime.engine.types import (
@@ -24,6 +25,7 @@ from runtime.engine.types import (
 __all__ = [
     "Activity",
     "ActivityView",
+    "AllocatorBytes",
     "BatchRunner",
     "CacheView",
     "EncoderRunner",
@@ -44,4 +46,5 @@ __all__ = [
     "RunnerSettings",
     "Turn",
     "Turns",
+    "allocator_bytes",
 ]

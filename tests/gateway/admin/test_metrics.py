@@ -181,3 +181,25 @@ def test_middleware_and_endpoint() -> None:
     assert got[("mlx_gateway_queue_depth", ())] == 4
     assert got[("mlx_gateway_prompt_tokens_total", ())] == 12
     assert samples(client.get("/metrics").text)[("mlx_gateway_http_requests_in_flight", ())] == 1
+
+
+def test_allocator_series_follow_mlx() -> None:
+    """MLX's allocator: an array kept is active; freed, its buffer sits in the cache."""
+    import mlx.core as mx
+
+    limit = mx.set_cache_limit(1 << 30)
+    try:
+        before = samples(scrape(Metrics()))
+        kept = mx.zeros((4 << 20,), dtype=mx.float32)  # 16 MB
+        mx.eval(kept)
+        held = samples(scrape(Metrics()))
+        name = "mlx_gateway_mlx_{}_memory_bytes"
+        grown = held[(name.format("active"), ())] - before[(name.format("active"), ())]
+        assert grown >= 16 << 20
+        assert held[(name.format("peak"), ())] >= held[(name.format("active"), ())]
+        del kept
+        freed = samples(scrape(Metrics()))
+        assert freed[(name.format("cache"), ())] >= 16 << 20
+        assert freed[(name.format("active"), ())] <= held[(name.format("active"), ())] - (16 << 20)
+    finally:
+        mx.set_cache_limit(limit)

@@ -45,7 +45,21 @@ SERIES = (
     "mlx_gateway_generations_cancelled_total",
     "mlx_gateway_prefix_cache_hits_total",
     "mlx_gateway_prefix_cache_tokens_total",
+    "mlx_gateway_mlx_active_memory_bytes",
+    "mlx_gateway_mlx_cache_memory_bytes",
 )
+
+
+RSS = "process_resident_memory_bytes"
+CACHE = "mlx_gateway_mlx_cache_memory_bytes"
+
+
+def _held(s: Sample) -> int | None:
+    """Resident memory less the freed buffers MLX keeps for reuse: those swing between
+    nothing and their limit with what ran last, and hold nothing a leak would."""
+    if RSS not in s.metrics or CACHE not in s.metrics:
+        return None
+    return int(s.metrics[RSS] - s.metrics[CACHE])
 
 
 def read_metrics(text: str) -> dict[str, float]:
@@ -131,9 +145,14 @@ class Monitor:
     # -- figures --
 
     def floor_between(self, start: float, end: float) -> int | None:
-        """The lowest resident size of the samples taken in [start, end] seconds."""
-        values = [s.rss for s in self.samples if start <= s.at <= end]
+        """The lowest resident size less MLX's buffer cache of the samples taken in
+        [start, end] seconds (both figures from one scrape of /metrics)."""
+        values = [held for s in self.samples if start <= s.at <= end if (held := _held(s))]
         return min(values) if values else None
+
+    def cache_peak(self) -> int:
+        """The most MLX's buffer cache held at a sample."""
+        return max((int(s.metrics.get(CACHE, 0)) for s in self.samples), default=0)
 
     def peak_after(self, start: float) -> int | None:
         values = [s.rss for s in self.samples if s.at >= start]
