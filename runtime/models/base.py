@@ -229,19 +229,19 @@ def cache_attention(
         out = _own_rows_attention(q, k, v, cache, scale)
         if out is not None:
             return out
+    starts = None
     if (
         isinstance(cache, BatchTokenCache)
-        and cache.plain
-        and window is None
         and softcap is None
         and cpu_kernels.can_attend(q, k)
         and v.shape == k.shape
     ):
-        # a batch's rows as the CPU primitive reads them: each from its first token, past
-        # its left padding, with no (B, 1, L, K) mask built
-        padding = cache.padding
+        starts = cache.first_keys(q.shape[2], window)
+    if starts is not None:
+        # a batch's rows as the CPU primitive reads them: each from its first key, past
+        # its left padding and what left its sliding window, with no (B, 1, L, K) mask
         keys, values = cache.update_and_fetch(k, v)
-        out = cpu_kernels.attend(q, keys, values, scale=scale, causal=True, starts=padding)
+        out = cpu_kernels.attend(q, keys, values, scale=scale, causal=True, starts=starts)
         assert out is not None  # can_attend said it runs
         return out
     mask = cache.make_mask(q.shape[2], window)
