@@ -409,20 +409,30 @@ TARGET_QDOT static void quantize_rows(const float *x, int64_t rows, int64_t dept
         }
         for (int64_t blk = 0; blk < blocks; blk++) {
             const float *src = x + m * depth + blk * QB;
-            float amax = 0.0f;
-            for (int k = 0; k < QB; k++) {
-                float v = src[k] < 0 ? -src[k] : src[k];
-                amax = v > amax ? v : amax;
-            }
+            /* the largest magnitude (exact in any order), then each value times the
+             * block's inverse scale rounded to nearest, ties to even: what lrintf gives
+             * in the default rounding mode, eight at a time */
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 vmax = _mm256_setzero_ps();
+            for (int k = 0; k < QB; k += 8)
+                vmax = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(src + k)), vmax); /* a NaN skipped, as a compare does */
+            __m128 half = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+            half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+            half = _mm_max_ss(half, _mm_shuffle_ps(half, half, 1));
+            const float amax = _mm_cvtss_f32(half);
             float scale = amax / top, inv = amax > 0 ? top / amax : 0.0f;
             xs[m * blocks + blk] = scale;
             const int64_t at = m * depth + blk * QB;
+            int32_t rounded[QB];
+            const __m256 vinv = _mm256_set1_ps(inv);
+            for (int k = 0; k < QB; k += 8)
+                _mm256_storeu_si256((__m256i *)(rounded + k),
+                                    _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + k), vinv)));
             for (int k = 0; k < QB; k++) {
-                long v = __builtin_lrintf(src[k] * inv);
                 if (wide)
-                    ((int16_t *)xq)[at + wide_order(bits, k)] = (int16_t)v;
+                    ((int16_t *)xq)[at + wide_order(bits, k)] = (int16_t)rounded[k];
                 else
-                    ((int8_t *)xq)[at + weight_order(bits, k)] = (int8_t)v;
+                    ((int8_t *)xq)[at + weight_order(bits, k)] = (int8_t)rounded[k];
             }
         }
     }
