@@ -96,6 +96,86 @@ static void standard_weights(const uint8_t *src, uint8_t *dst, int64_t s0, int64
         }
 }
 
+typedef struct {
+    const uint8_t *src; /* standard rows, [N, in_features * bits / 8] */
+    uint8_t *dst;       /* lanes, [N / 16, blocks, 64 * bits] */
+    int64_t strips, in_features, next;
+    int bits;
+} ToLanes;
+
+/* One strip block from its 16 rows' standard bytes (`rows[j]`: feature j's block): the
+ * inverse of standard_weights, a 16 x 16 transpose of byte pairs at 4 and 8 bits (4 bits:
+ * each pair's nibbles swapped into the lanes order), values unpacked at 5 and 6 bits. */
+static void lanes_block(const uint8_t *const rows[16], uint8_t *out, int bits) {
+    if (bits == 8 || bits == 4) { /* standard pair c of feature j -> chunk c, bytes 2j, 2j + 1 */
+        const int chunks = bits == 8 ? 16 : 8;
+        for (int j = 0; j < 16; j++)
+            for (int c = 0; c < chunks; c++) {
+                const uint8_t a = rows[j][2 * c], b = rows[j][2 * c + 1];
+                uint8_t *o = out + c * 32 + 2 * j;
+                if (bits == 8) {
+                    o[0] = a, o[1] = b;
+                } else { /* a: weights 4c | 4c + 1, b: 4c + 2 | 4c + 3 */
+                    o[0] = (uint8_t)((a & 15) | (b & 15) << 4);
+                    o[1] = (uint8_t)(a >> 4 | (b & 0xf0));
+                }
+            }
+        return;
+    }
+    uint32_t masks[2][16] = {{0}}; /* per further bit, mask 2c + h */
+    for (int j = 0; j < 16; j++) {
+        uint8_t v[QB], in[32] = {0};
+        memcpy(in, rows[j], (size_t)(4 * bits)); /* value k at bits k * bits */
+        for (int k = 0; k < QB; k++) {
+            const int bit = k * bits, at = bit / 8, shift = bit % 8;
+            v[k] = (uint8_t)(((unsigned)in[at] | (unsigned)in[at + 1] << 8) >> shift) &
+                   (uint8_t)((1u << bits) - 1);
+        }
+        for (int c = 0; c < 8; c++)
+            for (int t = 0; t < 2; t++)
+                out[c * 32 + 2 * j + t] = (uint8_t)((v[4 * c + t] & 15) | (v[4 * c + 2 + t] & 15) << 4);
+        for (int p = 0; p < bits - 4; p++)
+            for (int m = 0; m < 16; m++) /* weights 2m + t at bits 2j + t */
+                masks[p][m] |= (uint32_t)((v[2 * m] >> (4 + p)) & 1) << (2 * j) |
+                               (uint32_t)((v[2 * m + 1] >> (4 + p)) & 1) << (2 * j + 1);
+    }
+    for (int p = 0; p < bits - 4; p++)
+        memcpy(out + NIBBLE_BYTES + p * PLANE_BYTES, masks[p], PLANE_BYTES);
+}
+
+/* whole strips, taken in turn by the threads */
+static void *to_lanes_worker(void *arg) {
+    ToLanes *a = arg;
+    const int bits = a->bits;
+    const int64_t blocks = a->in_features / QB, row_bytes = a->in_features * bits / 8;
+    const int64_t block_bytes = strip_block_bytes(bits), in_bytes = QB * bits / 8;
+    for (;;) {
+        const int64_t s = __atomic_fetch_add(&a->next, 1, __ATOMIC_RELAXED);
+        if (s >= a->strips) return NULL;
+        const uint8_t *rows[16];
+        for (int j = 0; j < 16; j++) rows[j] = a->src + (s * 16 + j) * row_bytes;
+        uint8_t *out = a->dst + s * blocks * block_bytes;
+        for (int64_t b = 0; b < blocks; b++) {
+            lanes_block(rows, out + b * block_bytes, bits);
+            for (int j = 0; j < 16; j++) rows[j] += in_bytes;
+        }
+    }
+}
+
+/* A standard weight's bytes in lanes (runtime/kernels/lanes.py `to_lanes`): 0, or 1 for a
+ * width or shape the layout does not take. */
+EXPORT int mlxgw_lanes_from_standard(const uint8_t *src, uint8_t *dst, int64_t n,
+                                     int64_t in_features, int32_t bits, int32_t threads) {
+    if (bits < 4 || bits == 7 || bits > 8 || n < 16 || n % 16 || in_features < QB ||
+        in_features % QB)
+        return 1;
+    ToLanes a = {src, dst, n / 16, in_features, 0, bits};
+    if (threads < 1) threads = 1;
+    if (threads > n / 16) threads = (int32_t)(n / 16);
+    run_threads(to_lanes_worker, &a, threads);
+    return 0;
+}
+
 /* strips s0..s1 of lanes scales or biases ([N / 16, groups, 16] of `size` bytes) as
  * standard rows ([N, groups]), row 16 * s0 at dst */
 static void standard_groups(const uint8_t *src, uint8_t *dst, int64_t s0, int64_t s1,

@@ -74,6 +74,11 @@ int mlxgw_lanes_dequantize_t(const uint32_t *w, const void *scales, const void *
 int mlxgw_lanes_standard(const uint32_t *w, const void *scales, const void *biases,
                          int32_t stype, int64_t n0, int64_t n1, int64_t in_features,
                          int32_t bits, int32_t group_size, MlxgwStandard *out);
+/* a standard weight's bytes ([n, in_features * bits / 8]) in lanes ([n / 16, blocks,
+ * 64 * bits]) on `threads` threads: runtime/kernels/lanes.py `to_lanes` at load; 1 for a
+ * width (4, 5, 6, 8) or shape (n a multiple of 16, in_features of 32) it does not take */
+int mlxgw_lanes_from_standard(const uint8_t *src, uint8_t *dst, int64_t n,
+                              int64_t in_features, int32_t bits, int32_t threads);
 
 #ifdef __cplusplus
 }

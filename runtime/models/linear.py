@@ -227,6 +227,7 @@ def use_lanes(model: object) -> int:
     if not isinstance(model, Module) or not cpu_kernels.lanes_ready():
         return 0
     moved = 0
+    sw = cpu_kernels.switches()
     modules = model.named_modules()
     # children a module reads the arrays of itself (its `reads_weights`) stay standard
     kept = {
@@ -244,7 +245,9 @@ def use_lanes(model: object) -> int:
             continue
         if isinstance(layer, QuantizedEmbedding) and layer.bits not in (4, 8):
             continue  # a lookup gathers 4- and 8-bit rows (`lanes.rows`)
-        w, scales, biases = lanes.to_lanes(w, scales, layer.get("biases"), layer.bits)
+        w, scales, biases = lanes.to_lanes(
+            w, scales, layer.get("biases"), layer.bits, ext=sw.ext, threads=sw.threads
+        )
         layer["weight"], layer["scales"] = w, scales
         if biases is not None:
             layer["biases"] = biases

@@ -2,9 +2,12 @@
 // runtime/kernels/primitives.py).
 
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+
+#include <stdexcept>
 
 #include "mlx/version.h"
 #include "layer.h"
@@ -26,6 +29,35 @@ NB_MODULE(_mlx_ext, m) {
       "whether this CPU runs the 16-feature lanes kernel (AVX-512 VNNI) and the "
       "environment does not pin another ISA: a 4- or 8-bit weight is worth keeping in "
       "lanes (runtime/kernels/lanes.py)");
+  m.def(
+      "lanes_from_standard",
+      [](nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu> src,
+         nb::ndarray<uint8_t, nb::c_contig, nb::device::cpu> dst,
+         int64_t n,
+         int64_t in_features,
+         int bits,
+         int threads) {
+        const size_t bytes = size_t(n) * size_t(in_features) * size_t(bits) / 8;
+        if (src.nbytes() != bytes || dst.nbytes() != bytes) {
+          throw std::invalid_argument(
+              "[mlxgw.lanes_from_standard] src and dst must hold n * in_features * bits / 8 "
+              "bytes");
+        }
+        int status;
+        {
+          nb::gil_scoped_release released;
+          status = mlxgw_lanes_from_standard(src.data(), dst.data(), n, in_features, bits, threads);
+        }
+        return status == 0;
+      },
+      "src"_a,
+      "dst"_a,
+      "n"_a,
+      "in_features"_a,
+      "bits"_a,
+      "threads"_a,
+      "a standard weight's bytes (uint8 [n, in_features * bits / 8]) permuted into lanes in "
+      "dst (runtime/kernels/lanes.py); False for a width or shape lanes do not take");
   m.def(
       "quantized_matmul",
       &mlxgw::quantized_matmul,

@@ -94,6 +94,28 @@ def test_the_layout_gives_back_its_bytes(
     )
 
 
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize(("features", "depth", "threads"), [(16, 32, 1), (48, 256, 2), (80, 96, 3)])
+def test_the_c_permutation_is_numpys(
+    ext: Any, bits: int, features: int, depth: int, threads: int
+) -> None:
+    """At load the extension permutes the bytes (qlanes.c): the same as lanes.py's numpy,
+    on any number of threads, and back to the standard bytes."""
+    w, scales, biases = _weight(features, depth, bits, seed=features + bits)
+    want = lanes.to_lanes(w, scales, biases, bits)
+    got = lanes.to_lanes(w, scales, biases, bits, ext=ext, threads=threads)
+    assert got[0].dtype == want[0].dtype and got[0].shape == want[0].shape
+    assert mx.array_equal(got[0], want[0]).item() and mx.array_equal(got[1], want[1]).item()
+    assert mx.array_equal(lanes.to_standard(*got, bits)[0], w).item()
+    wrong = np.zeros(features * depth * bits // 8 + 1, dtype=np.uint8)
+    with pytest.raises(ValueError, match="bytes"):
+        ext.lanes_from_standard(wrong, wrong, features, depth, bits, threads)
+    assert not ext.lanes_from_standard(  # a width lanes do not take
+        np.zeros(features * depth * 3 // 8, np.uint8), np.zeros(features * depth * 3 // 8, np.uint8),
+        features, depth, 3, threads,
+    )  # fmt: skip
+
+
 def test_what_does_not_fit_stays_standard() -> None:
     w, scales, _ = _weight(40, 256, 4, seed=1)  # 40 features: not whole strips
     assert not lanes.fits(w, scales, 4, 32)
