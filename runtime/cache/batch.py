@@ -123,20 +123,17 @@ class BatchTokenCache:
             allowed = allowed & (q_col - k_col < window)
         return allowed
 
-    def first_keys(self, length: int, window: int | None = None) -> list[int] | None:
-        """Each row's first key that every one of its next `length` queries sees (its
-        padding skipped, and the keys gone out of the sliding window): what `make_mask`
-        says as one start per row. None where a window leaves the queries different
-        first keys (a block of queries whose window binds): the mask says that."""
-        window = self._window if self._window is not None else window
-        if window is None:
-            return list(self._left)
+    def window_of(self, window: int | None = None) -> int | None:
+        """The sliding window these rows' queries see through: the cache's own, else the
+        layer's (`window`), else None."""
+        return self._window if self._window is not None else window
+
+    def window_binds(self, length: int, window: int | None = None) -> bool:
+        """Whether a block of `length` queries has keys out of its window in some row
+        (past the row's padding): `make_mask` would hide them."""
+        window = self.window_of(window)
         total = self._cols + length
-        if length == 1:
-            return [max(left, total - window) for left in self._left]
-        if all(total - window <= left for left in self._left):
-            return list(self._left)
-        return None
+        return window is not None and any(total - window > left for left in self._left)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append (B, H, L, D) keys/values, one row each; return every column in use."""

@@ -11,11 +11,11 @@ from runtime.kernels.bridge import (
     ENV_ISA,
     ENV_SWITCH,
     ENV_THREADS,
+    GEMM_ROWS,
     MIN_ROWS,
     Kernels,
     attention,
     gated_mul,
-    gemm_rows,
     kernels,
     linear,
     quantized_attention,
@@ -23,6 +23,7 @@ from runtime.kernels.bridge import (
 )
 from runtime.kernels.gelu import gelu_erf
 from runtime.kernels.primitives import (
+    DECODE_MAX_LENGTH,
     GATED_ACTIVATIONS,
     SMALL_ROWS,
     Packed,
@@ -48,10 +49,12 @@ from runtime.kernels.primitives import (
 )
 
 __all__ = [
+    "DECODE_MAX_LENGTH",
     "ENV_ISA",
     "ENV_SWITCH",
     "ENV_THREADS",
     "GATED_ACTIVATIONS",
+    "GEMM_ROWS",
     "MIN_ROWS",
     "SMALL_ROWS",
     "Kernels",
@@ -67,7 +70,6 @@ __all__ = [
     "extension",
     "gated_mul",
     "gelu_erf",
-    "gemm_rows",
     "kernels",
     "lanes_ready",
     "linear",

@@ -40,8 +40,6 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from runtime import backend
-
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "MLX_GATEWAY_CPU_ATTENTION"
@@ -55,16 +53,18 @@ MIN_ROWS = 32
 # ...unless there are enough scores (rows x keys) that MLX's scalar exp costs more than
 # the evaluation: a short prefill chunk over a long context (interleaved with decode)
 MIN_SCORES = 4096
-# A linear layer over at most this many rows (decode steps, one per running sequence) runs
-# in the small-GEMM kernel: it reads each weight row once for all rows, where the BLAS
-# packs the weights on every call and runs at half the speed of reading them (Qwen2.5-0.5B's
-# MLP and output projections, 2 threads: 16 rows in about 0.6x MKL's sgemm time; at 32
-# rows they are even, at 64 MKL is faster; one row: MKL's matrix-vector product is as
-# fast). OpenBLAS (chosen on AMD processors) does better with 16 rows (Qwen2.5-0.5B's
-# MLP: 1.3-1.6 ms where the kernel takes 2.2) and worse with one (its LM head: 54 ms,
-# the kernel 24), so with it the kernel takes 1 to 12 rows.
-GEMM_ROWS = (2, 16)
-GEMM_ROWS_OPENBLAS = (1, 12)
+# A linear layer over 1 to 16 rows (a decode step's rows, one per running sequence, and
+# a speculative step's verify rows: primitives.SMALL_ROWS) runs in the small-GEMM kernel,
+# which computes each row on its own, so a row gets the same bits whatever the step's
+# size: speculative decoding's drafts are checked against the logits decoding would have
+# had, and a stream's output does not depend on who shares its batch. The BLAS's are not
+# (MKL's one-row product is a gemv; OpenBLAS's 13-16-row products another kernel: a tiny
+# Gemma's greedy output flipped with the batch's size, test_speculative.py). What that
+# costs with float32 weights (quantized ones take the qdot kernels): the kernel reads each
+# weight row once for all rows, where the BLAS packs the weights on every call (Qwen2.5-
+# 0.5B's MLP and output projections, 2 threads: 16 rows in about 0.6x MKL's sgemm time,
+# one row as fast as MKL's gemv; OpenBLAS at 16 rows 1.3-1.6 ms where the kernel takes 2.2).
+GEMM_ROWS = (1, 16)
 GEMM_THREAD_FLOATS = 1 << 21  # weights smaller than this (8 MB) take one thread
 MAX_HEAD_DIM = 512  # the kernel's scratch bound (kernels.c MAX_DIM)
 _LIBRARY_DIR = Path(__file__).resolve().parent
@@ -96,6 +96,7 @@ class _AttnArgs(ctypes.Structure):
         ("threads", ctypes.c_int32),
         ("generic", ctypes.c_int32),
         ("starts", ctypes.c_void_p),
+        ("window", ctypes.c_int32),
     ]
 
 
@@ -423,18 +424,10 @@ def gated_mul(gate: mx.array, up: mx.array, activation: str) -> mx.array | None:
     return mx.array(out)
 
 
-@functools.cache
-def gemm_rows() -> tuple[int, int]:
-    """The fewest and most rows the small-GEMM kernel takes, by the BLAS loaded."""
-    choice = backend.blas_choice()
-    path = (choice.path or "") if choice is not None else ""
-    return GEMM_ROWS_OPENBLAS if "openblas" in Path(path).name else GEMM_ROWS
-
-
 def linear(x: mx.array, weight: mx.array) -> mx.array | None:
     """x @ weight.T for a few float32 rows (`gemm_rows`), or None to use MLX instead."""
     rows = x.size // x.shape[-1] if x.ndim else 0
-    fewest, most = gemm_rows()
+    fewest, most = GEMM_ROWS
     if (
         not fewest <= rows <= most
         or weight.ndim != 2

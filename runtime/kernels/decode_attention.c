@@ -15,6 +15,11 @@
  * those keys would be (the same chunk size, the same order of the merge): its output is
  * the bits a plain decode step of the same batch computes, so drafted tokens are checked
  * against the logits decoding without them would have had.
+ *
+ * A sliding window (`window` > 0) moves each query's first key to its column - window + 1
+ * (never before the row's own first key), and its span, which sets the chunks, to at
+ * most `window`: a verify step's queries, each with its own first key, are split as the
+ * one-query steps at their columns are.
  */
 
 #include <math.h>
@@ -22,7 +27,12 @@
 #include "common.h"
 #include "kernels.h"
 
-enum { DEC_MAX_ROWS = 16, DEC_MAX_DIM = 256, DEC_MIN_CHUNK = 256, DEC_MAX_LENGTH = 16 };
+enum {
+    DEC_MAX_ROWS = 16,
+    DEC_MAX_DIM = 256,
+    DEC_MIN_CHUNK = 256,
+    DEC_MAX_LENGTH = MLXGW_DECODE_MAX_LENGTH
+};
 /* keys ahead whose cache lines a chunk asks for: the hardware prefetchers alone left the
  * loop waiting on memory at long contexts (SmolLM2 after 4,000 tokens: 70.5 -> 81.3
  * decode tokens/s; Qwen2.5-0.5B, whose keys are a smaller share of a step: +1%) */
@@ -166,8 +176,9 @@ INLINE void decode_item(const AttnArgs *a, const QueryPlan *plan, int group, flo
     const int64_t bk = local / p->chunks;
     const int c = (int)(local % p->chunks);
     const int b = (int)(bk / a->kv_heads), kvh = (int)(bk % a->kv_heads);
-    const int32_t start = a->starts != NULL ? a->starts[b] : 0;
+    int32_t start = a->starts != NULL ? a->starts[b] : 0;
     const int32_t seen = a->keys - a->length + l + 1;
+    if (a->window > 0 && seen - a->window > start) start = seen - a->window;
     int32_t j0 = start + c * p->chunk, j1 = j0 + p->chunk;
     if (j1 > seen) j1 = seen;
     float *dst = part + item * (int64_t)group * (a->dim + 2);
@@ -247,7 +258,8 @@ static int run_decode(const AttnArgs *a, int32_t keys, int threads, DecodeFn gen
     job.a = a;
     job.group = a->q_heads / a->kv_heads;
     for (int l = 0; l < a->length; l++) {
-        const int32_t span = keys - a->length + l + 1;
+        int32_t span = keys - a->length + l + 1;
+        if (a->window > 0 && span > a->window) span = a->window;
         int64_t chunks = (4 * (int64_t)threads + heads - 1) / heads;
         const int64_t most = (span + DEC_MIN_CHUNK - 1) / DEC_MIN_CHUNK;
         chunks = chunks < most ? chunks : most;
@@ -308,7 +320,8 @@ INLINE void decode_rows_item(const AttnArgs *a, const QueryPlan *plan, int group
     const int b = (int)(bk / a->kv_heads), kvh = (int)(bk % a->kv_heads);
     const AttnArgs *row = &ra->rows[b];
     const int32_t seen = row->keys - a->length + l + 1;
-    int32_t j0 = c * p->chunk, j1 = j0 + p->chunk;
+    const int32_t start = a->window > 0 && seen > a->window ? seen - a->window : 0;
+    int32_t j0 = start + c * p->chunk, j1 = j0 + p->chunk;
     if (j1 > seen) j1 = seen;
     float *dst = part + item * (int64_t)group * (a->dim + 2);
     if (j0 >= j1) {

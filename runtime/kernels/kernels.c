@@ -587,7 +587,7 @@ static int starts_valid(const AttnArgs *a) {
 EXPORT int mlxgw_attention(const AttnArgs *a) {
     if (a->batch < 1 || a->q_heads < 1 || a->kv_heads < 1 || a->q_heads % a->kv_heads != 0 ||
         a->length < 1 || a->keys < a->length || a->dim < 1 || a->dim > MAX_DIM ||
-        !starts_valid(a))
+        !starts_valid(a) || a->window > 0)
         return 1;
     Job job = {0};
     job.attn = a;

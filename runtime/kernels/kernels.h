@@ -24,6 +24,9 @@ typedef struct {
     /* (B) or NULL: each batch row's first key; the keys before it (a batch row's left
      * padding) are never read */
     const int32_t *starts;
+    /* > 0: a sliding window, the query at key position p sees keys p - window + 1 .. p
+     * (decode_attention.c; mlxgw_attention refuses it) */
+    int32_t window;
 } AttnArgs;
 
 /* Attention over a quantized KV cache: `base` as for mlxgw_attention (its k and v unused),
@@ -42,6 +45,9 @@ typedef struct {
 } QAttnArgs;
 
 enum { GATE_SILU = 0, GATE_GELU_TANH = 1 };
+/* the most queries per sequence mlxgw_attention_decode takes (a speculative step's
+ * verify rows) */
+enum { MLXGW_DECODE_MAX_LENGTH = 16 };
 
 /* 0 on success, 1 for arguments a kernel does not handle, 2 when out of memory */
 int mlxgw_attention(const AttnArgs *a);

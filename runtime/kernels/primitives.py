@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 # verify rows) read each packed weight once for all rows; more dequantize a tile of
 # weights at a time into the BLAS (prompt chunks).
 SMALL_ROWS = 16
+# The most queries per sequence the decode attention kernel takes (decode_attention.c,
+# kernels.h MLXGW_DECODE_MAX_LENGTH): a sliding window is honoured up to there.
+DECODE_MAX_LENGTH = 16
 # What decode rows are rounded to before they meet the weights (runtime/kernels/qdot.c):
 # "int16" (the default: per block of 32, an error 256 times below llama.cpp's int8 rows),
 # "int8" (llama.cpp's choice: fastest, and greedy output drifts from the float path's
@@ -300,19 +303,25 @@ def attend(
     scale: float,
     causal: bool,
     starts: Sequence[int] | None = None,
+    window: int | None = None,
 ) -> mx.array | None:
     """(B, Hq, L, D) queries over (B, Hkv, K, D) keys and values (the queries being the
     last L positions; `causal` hides each query's future; `starts`: each batch row's
-    first key, its left padding skipped) as a CPU primitive: (B, Hq, L, D) in q's dtype.
-    None where it does not run (not the CPU, no extension, a head over 512 wide)."""
+    first key, its left padding skipped; `window`: a sliding window, each query seeing
+    its last `window` keys) as a CPU primitive: (B, Hq, L, D) in q's dtype. None where
+    it does not run (not the CPU, no extension, a head over 512 wide, a window over more
+    than DECODE_MAX_LENGTH queries or not causal)."""
     sw = switches()
     ext = sw.ext
     if ext is None or not can_attend(q, k) or v.shape != k.shape:
         return None
+    if window is not None and (not causal or q.shape[2] > DECODE_MAX_LENGTH):
+        return None
     first = None if starts is None else mx.array(list(starts), dtype=mx.int32)
     out: mx.array = ext.attention(
-        q, k, v, first, scale=scale, causal=causal, threads=sw.threads, generic=sw.generic
-    )
+        q, k, v, first, scale=scale, causal=causal, threads=sw.threads, generic=sw.generic,
+        window=window or 0,
+    )  # fmt: skip
     # (B, L, Hq, D) memory seen as (B, Hq, L, D): the caller's transpose back is free
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
 

@@ -229,21 +229,28 @@ def cache_attention(
         out = _own_rows_attention(q, k, v, cache, scale)
         if out is not None:
             return out
-    starts = None
     if (
         isinstance(cache, BatchTokenCache)
         and softcap is None
         and cpu_kernels.can_attend(q, k)
         and v.shape == k.shape
     ):
-        starts = cache.first_keys(q.shape[2], window)
-    if starts is not None:
         # a batch's rows as the CPU primitive reads them: each from its first key, past
-        # its left padding and what left its sliding window, with no (B, 1, L, K) mask
-        keys, values = cache.update_and_fetch(k, v)
-        out = cpu_kernels.attend(q, keys, values, scale=scale, causal=True, starts=starts)
-        assert out is not None  # can_attend said it runs
-        return out
+        # its left padding and, in a sliding window, what left the window (each query
+        # its own: decode steps and verify rows get the same bits), with no mask built.
+        # A longer block whose window binds (a prompt chunk) takes the mask below.
+        held, direct = cache.window_of(window), True
+        if held is not None and q.shape[2] > cpu_kernels.DECODE_MAX_LENGTH:
+            direct = not cache.window_binds(q.shape[2], held)  # it hides nothing: no window
+            held = None
+        if direct:
+            padding = cache.padding
+            keys, values = cache.update_and_fetch(k, v)
+            out = cpu_kernels.attend(
+                q, keys, values, scale=scale, causal=True, starts=padding, window=held
+            )
+            assert out is not None  # can_attend said it runs
+            return out
     mask = cache.make_mask(q.shape[2], window)
     if isinstance(cache, (QuantizedKVCache, BatchQuantizedCache, BatchQuantizedRows)):
         # a batch's mask, without a window, is its rows' padding and causality

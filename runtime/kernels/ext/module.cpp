@@ -102,7 +102,9 @@ NB_MODULE(_mlx_ext, m) {
       "causal"_a,
       "threads"_a,
       "generic"_a,
-      "attention of (B, Hq, L, D) queries over (B, Hkv, K, D) keys and values: (B, L, Hq, D)");
+      "window"_a = 0,
+      "attention of (B, Hq, L, D) queries over (B, Hkv, K, D) keys and values: (B, L, Hq, D); "
+      "window > 0: a sliding window (causal, at most 16 queries)");
   m.def(
       "append_rows",
       &mlxgw::append_rows,

@@ -443,7 +443,8 @@ mx::array attention(
     float scale,
     bool causal,
     int threads,
-    bool generic) {
+    bool generic,
+    int window) {
   bool ok = q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4 && k.shape() == v.shape() &&
       q.shape(0) == k.shape(0) && q.shape(3) == k.shape(3) && k.shape(1) > 0 &&
       q.shape(1) % k.shape(1) == 0 && q.shape(2) <= k.shape(2) && q.shape(3) <= 512;
@@ -453,6 +454,10 @@ mx::array attention(
            "Hkv, L <= K and D <= 512; got q "
         << q.shape() << ", k " << k.shape() << ", v " << v.shape();
     throw std::invalid_argument(msg.str());
+  }
+  if (window < 0 || (window > 0 && (!causal || q.shape(2) > MLXGW_DECODE_MAX_LENGTH))) {
+    throw std::invalid_argument(
+        "[mlxgw.attention] a sliding window needs causal queries, at most 16 of them");
   }
   auto stream = mx::default_stream(mx::Device::cpu);
   std::vector<mx::array> inputs{
@@ -468,7 +473,7 @@ mx::array attention(
   return mx::array(
       mx::Shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)},
       mx::float32,
-      std::make_shared<Attention>(stream, scale, causal, std::max(1, threads), generic),
+      std::make_shared<Attention>(stream, scale, causal, std::max(1, threads), generic, window),
       std::move(inputs));
 }
 
@@ -683,6 +688,7 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   a.threads = threads_;
   a.generic = generic_;
   a.starts = starts;
+  a.window = window_;
   encoder.dispatch([a]() {
     int status = mlxgw_attention_decode(&a);
     if (status == 1) {
@@ -699,7 +705,7 @@ void Attention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&)
 bool Attention::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const Attention&>(other);
   return scale_ == o.scale_ && causal_ == o.causal_ && threads_ == o.threads_ &&
-      generic_ == o.generic_;
+      generic_ == o.generic_ && window_ == o.window_;
 }
 
 std::vector<mx::Shape> Attention::output_shapes(const std::vector<mx::array>& inputs) {

@@ -72,7 +72,8 @@ mx::array attention(
     float scale,
     bool causal,
     int threads,
-    bool generic);
+    bool generic,
+    int window);
 
 // Rows of a running batch, each in buffers of its own (runtime/cache/rows.py): `news[p]`
 // (B, H, L, X_p) goes into every row b's buffer `rows[p][b]` (1, H, C_b, X_p), at columns
@@ -224,12 +225,13 @@ class QuantizedMatmul : public mx::Primitive {
 
 class Attention : public mx::Primitive {
  public:
-  Attention(mx::Stream stream, float scale, bool causal, int threads, bool generic)
+  Attention(mx::Stream stream, float scale, bool causal, int threads, bool generic, int window)
       : mx::Primitive(stream),
         scale_(scale),
         causal_(causal),
         threads_(threads),
-        generic_(generic) {}
+        generic_(generic),
+        window_(window) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
       override;
@@ -246,6 +248,7 @@ class Attention : public mx::Primitive {
   bool causal_;
   int threads_;
   bool generic_;
+  int window_;
 };
 
 // inputs: the P new arrays, then every part's rows (part-major); outputs: the rows

@@ -194,8 +194,9 @@ def test_drafted_output_equals_decoding_without_drafts(
     finally:
         engine.stop()
     expected = [want[0], want[1], want[2], want[3], want[1]]
-    for (tokens, done), ref in zip([*alone, *batched], expected * 2, strict=True):
-        assert tokens == ref
+    for i, ((tokens, done), ref) in enumerate(zip([*alone, *batched], expected * 2, strict=True)):
+        which = f"request {i % len(requests)} {'batched' if i >= len(requests) else 'alone'}"
+        assert tokens == ref, which
         assert done.reason in (FinishReason.LENGTH, FinishReason.STOP)
     assert steps > 0
     for tokens, done in (alone[0], batched[0], alone[3]):
