@@ -57,9 +57,9 @@ MIN_SCORES = 4096
 # a speculative step's verify rows: primitives.SMALL_ROWS) runs in the small-GEMM kernel,
 # which computes each row on its own, so a row gets the same bits whatever the step's
 # size: speculative decoding's drafts are checked against the logits decoding would have
-# had, and a stream's output does not depend on who shares its batch. The BLAS's are not
-# (MKL's one-row product is a gemv; OpenBLAS's 13-16-row products another kernel: a tiny
-# Gemma's greedy output flipped with the batch's size, test_speculative.py). What that
+# had, and a decode step's rows do not depend on how many share it. The BLAS's rows are
+# not (MKL's one-row product is a gemv, OpenBLAS's 13-16-row products another kernel,
+# each with its own order of sums). What that
 # costs with float32 weights (quantized ones take the qdot kernels): the kernel reads each
 # weight row once for all rows, where the BLAS packs the weights on every call (Qwen2.5-
 # 0.5B's MLP and output projections, 2 threads: 16 rows in about 0.6x MKL's sgemm time,
