@@ -30,6 +30,7 @@ from gateway.core.errors import (
     RateLimited,
     internal_error,
 )
+from gateway.core.keepalive import NO_TIMER_PING, with_keepalives
 from gateway.core.metrics import Metrics
 from gateway.core.models import ServedModel
 from gateway.core.plan import CachePin
@@ -320,9 +321,8 @@ def sse_response(
         gens.cancel()
 
     return EventSourceResponse(
-        _guarded(body, gens, on_error),
-        ping=settings.keepalive_seconds,
-        ping_message_factory=ping,
+        with_keepalives(_guarded(body, gens, on_error), settings.keepalive_seconds, ping),
+        ping=NO_TIMER_PING,  # keepalives only while idle, never after the last event
         send_timeout=30,
         client_close_handler_callable=client_gone,
     )

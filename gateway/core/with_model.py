@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.core.errors import Overloaded
 from gateway.core.generation import ErrorEvents, errors_as_events, openai_error_events
 from gateway.core.http import server_settings
+from gateway.core.keepalive import NO_TIMER_PING, with_keepalives
 from gateway.core.models import Lease, ModelRegistry, ModelSpec, ServedModel
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,9 @@ def _deferred(
 
     settings = server_settings(request)
     return EventSourceResponse(
-        errors_as_events(body(), on_error, began=False),
-        ping=settings.keepalive_seconds,
-        ping_message_factory=ping,
+        with_keepalives(
+            errors_as_events(body(), on_error, began=False), settings.keepalive_seconds, ping
+        ),
+        ping=NO_TIMER_PING,  # keepalives only while idle, never after the last event
         send_timeout=30,
     )

@@ -103,9 +103,11 @@ class RotatingKVCache:
             self.values[..., i : i + 1, :] = values
             self._idx = (i + 1) % self.max_size
         self._offset += 1
-        assert self.keys is not None and self.values is not None
-        # One query attends to every held key, so ring order does not matter here.
-        return self.keys[..., : self._size, :], self.values[..., : self._size, :]
+        # oldest first, as a chunk's update and a batch hand them over: one query sees
+        # every held key, but the order its sums take them in sets its bits
+        held = self._temporal()
+        assert held is not None
+        return held
 
     def _update_chunk(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         held = self._temporal()
@@ -131,8 +133,8 @@ class RotatingKVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Add (B, n_kv_heads, L, head_dim) keys/values; return those the new queries may see.
 
-        For L > 1 the returned keys are in temporal order (the previous window, then the
-        chunk) and `make_mask(L)` matches them; for L == 1 they may be in ring order.
+        The returned keys are in temporal order (the previous window, then the new ones)
+        and `make_mask(L)` matches them.
         """
         if keys.shape[2] == 1:
             return self._update_one(keys, values)

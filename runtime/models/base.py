@@ -251,6 +251,24 @@ def cache_attention(
             )
             assert out is not None  # can_attend said it runs
             return out
+    held = cache.max_size if isinstance(cache, RotatingKVCache) else window
+    if (
+        type(cache) in (KVCache, RotatingKVCache)
+        and held is not None
+        and softcap is None
+        and q.shape[2] <= cpu_kernels.DECODE_MAX_LENGTH
+        and cpu_kernels.can_attend(q, k)
+        and v.shape == k.shape
+    ):
+        # a sequence's tokens through a sliding window (a prompt chunk, a last token), in
+        # the kernel whether the window binds or not: each query's keys and their order
+        # are the same however the prompt was cut into chunks (the prefix trie's restore
+        # points move the cuts) and as a batch's step sees them, so its bits are too; the
+        # mask below would take MLX's ops where it binds
+        seen_k, seen_v = cache.update_and_fetch(k, v)  # oldest first
+        out = cpu_kernels.attend(q, seen_k, seen_v, scale=scale, causal=True, window=held)
+        assert out is not None  # can_attend said it runs
+        return out
     mask = cache.make_mask(q.shape[2], window)
     if isinstance(cache, (QuantizedKVCache, BatchQuantizedCache, BatchQuantizedRows)):
         # a batch's mask, without a window, is its rows' padding and causality

@@ -120,3 +120,30 @@ def test_window_binds_past_the_padding_only() -> None:
     assert batch.window_of(4) == 4
     rotating = _batch((3,), 0)
     assert rotating.window_of(None) == WINDOW and rotating.window_of(99) == WINDOW
+
+
+def test_a_prompts_cuts_do_not_change_its_bits() -> None:
+    """A sequence reads its prompt in chunks cut where the prefix trie's restore points
+    fall, which move with what the trie holds: each query through a sliding window gets
+    the same bits however the prompt was cut (chunks of up to 16 go through the kernel
+    whether their window binds or not), and the numbers of the full causal mask."""
+    n = 40
+    q = _new(1, HEADS, n, 9)
+    k, v = _new(1, KV_HEADS, n, 10), _new(1, KV_HEADS, n, 11)
+    outs = []
+    with mx.stream(mx.cpu):
+        for cuts in ((16, 16, 8), (8, 8, 8, 8, 8), (5, 11, 16, 8), (2, 14, 3, 13, 8)):
+            cache, at, parts = RotatingKVCache(max_size=WINDOW), 0, []
+            for m in cuts:
+                part = slice(at, at + m)
+                parts.append(_attend(cache, q[:, :, part], k[:, :, part], v[:, :, part]))  # type: ignore[arg-type]
+                at += m
+            outs.append(np.array(mx.concatenate(parts, axis=2)))
+        for got in outs[1:]:
+            assert np.array_equal(got, outs[0])
+        rows = mx.arange(n)[:, None]
+        mask = (mx.arange(n)[None, :] <= rows) & (rows - mx.arange(n)[None, :] < WINDOW)
+        groups = HEADS // KV_HEADS
+        wide_k, wide_v = mx.repeat(k, groups, axis=1), mx.repeat(v, groups, axis=1)
+        want = mx.fast.scaled_dot_product_attention(q, wide_k, wide_v, scale=SCALE, mask=mask)
+    np.testing.assert_allclose(outs[0], np.array(want), rtol=1e-5, atol=1e-5)
