@@ -111,7 +111,7 @@ class BatchTokenCache:
     def make_mask(self, length: int, window: int | None = None) -> Mask:
         """(B, 1, L, K): a row's queries see its own tokens (not its padding), causally,
         within the sliding window if this layer has one."""
-        window = self._window if self._window is not None else window
+        window = self.window_of(window)
         total = self._cols + length
         if length == 1 and not any(self._left) and (window is None or total <= window):
             return None  # no padding, nothing out of the window: every key is seen
