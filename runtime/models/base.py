@@ -229,44 +229,15 @@ def cache_attention(
         out = _own_rows_attention(q, k, v, cache, scale)
         if out is not None:
             return out
-    if (
-        isinstance(cache, BatchTokenCache)
-        and softcap is None
-        and cpu_kernels.can_attend(q, k)
-        and v.shape == k.shape
-    ):
-        # a batch's rows as the CPU primitive reads them: each from its first key, past
-        # its left padding and, in a sliding window, what left the window (each query
-        # its own: decode steps and verify rows get the same bits), with no mask built.
-        # A longer block whose window binds (a prompt chunk) takes the mask below.
-        held, direct = cache.window_of(window), True
-        if held is not None and q.shape[2] > cpu_kernels.DECODE_MAX_LENGTH:
-            direct = not cache.window_binds(q.shape[2], held)  # it hides nothing: no window
-            held = None
-        if direct:
-            padding = cache.padding
-            keys, values = cache.update_and_fetch(k, v)
-            out = cpu_kernels.attend(
-                q, keys, values, scale=scale, causal=True, starts=padding, window=held
-            )
-            assert out is not None  # can_attend said it runs
-            return out
-    held = cache.max_size if isinstance(cache, RotatingKVCache) else window
-    if (
-        type(cache) in (KVCache, RotatingKVCache)
-        and held is not None
-        and softcap is None
-        and q.shape[2] <= cpu_kernels.DECODE_MAX_LENGTH
-        and cpu_kernels.can_attend(q, k)
-        and v.shape == k.shape
-    ):
-        # a sequence's tokens through a sliding window (a prompt chunk, a last token), in
-        # the kernel whether the window binds or not: each query's keys and their order
-        # are the same however the prompt was cut into chunks (the prefix trie's restore
-        # points move the cuts) and as a batch's step sees them, so its bits are too; the
-        # mask below would take MLX's ops where it binds
+    plan = None
+    if softcap is None and cpu_kernels.can_attend(q, k) and v.shape == k.shape:
+        plan = _kernel_plan(cache, q.shape[2], window)
+    if plan is not None:
+        starts, held = plan
         seen_k, seen_v = cache.update_and_fetch(k, v)  # oldest first
-        out = cpu_kernels.attend(q, seen_k, seen_v, scale=scale, causal=True, window=held)
+        out = cpu_kernels.attend(
+            q, seen_k, seen_v, scale=scale, causal=True, starts=starts, window=held
+        )
         assert out is not None  # can_attend said it runs
         return out
     mask = cache.make_mask(q.shape[2], window)
@@ -283,6 +254,33 @@ def cache_attention(
     else:
         k, v = cache.update_and_fetch(k, v)
     return attention(q, k, v, scale=scale, mask=mask, softcap=softcap)
+
+
+def _kernel_plan(
+    cache: object, length: int, window: int | None
+) -> tuple[list[int] | None, int | None] | None:
+    """(each row's first key, the sliding window) for the CPU primitive reading `cache`'s
+    keys where they are, with no mask built; None where the mask decides (below).
+
+    A batch's rows (left-padded): each from its first key, past its padding and, in a
+    window, what left it (each query its own: decode steps and verify rows get the same
+    bits). A sequence's own cache through a window (a prompt chunk, a last token): in
+    the kernel whether the window binds or not, so each query's keys and their order are
+    the same however the prompt was cut into chunks (the prefix trie's restore points
+    move the cuts) and as a batch's step sees them. The kernel takes a window over at
+    most DECODE_MAX_LENGTH queries: a longer block whose window binds takes the mask."""
+    long = length > cpu_kernels.DECODE_MAX_LENGTH
+    if isinstance(cache, BatchTokenCache):
+        held = cache.window_of(window)
+        if held is not None and long:
+            if cache.window_binds(length, held):
+                return None
+            held = None  # it hides nothing
+        return cache.padding, held
+    if type(cache) in (KVCache, RotatingKVCache):
+        held = cache.max_size if isinstance(cache, RotatingKVCache) else window
+        return None if held is None or long else (None, held)
+    return None
 
 
 def _own_rows_attention(
