@@ -206,16 +206,16 @@ def _ring_ports() -> int:
 
 
 @contextmanager
-def launched(model: Path, mode: str, home: Path) -> Iterator[Group]:
-    """Two ranks under mlx.launch serving `model` (MLX_GATEWAY_HOME `home`); every
-    process is killed at the end."""
+def launched(model: Path, mode: str, home: Path, *extra: str) -> Iterator[Group]:
+    """Two ranks under mlx.launch serving `model` (MLX_GATEWAY_HOME `home`, more serve
+    options `extra`); every process is killed at the end."""
     port = free_port()
     command = [
         str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_ring_ports()),
         "--python", sys.executable, "--",
         "-m", "gateway", "serve", "--model", str(model), "--model-id", MODEL,
         "--distributed", mode, "--distributed-timeout", "3", "--port", str(port),
-        "--max-batch", str(SETTINGS.max_batch),
+        "--max-batch", str(SETTINGS.max_batch), *extra,
     ]  # fmt: skip
     process = subprocess.Popen(
         command,
@@ -419,7 +419,8 @@ def test_a_healthy_group_stopped_drains_and_ends(
     """As a single server: the running generation finishes, then every rank leaves.
     SIGTERM to rank 0 (a `kill`); SIGINT to every rank (a terminal's Ctrl-C reaches them
     all; not the launcher here, whose own Ctrl-C handling can deadlock its threads)."""
-    with launched(split_model, "tensor", tmp_path) as group:
+    # a grace no loaded machine runs out of: the drain, not its deadline, ends the stream
+    with launched(split_model, "tensor", tmp_path, "--shutdown-grace", "600") as group:
         pids = group.pid(0), group.pid(1)
         with ThreadPoolExecutor(1) as pool:
             # the signal goes once the client has read a token: the generation is then
