@@ -79,12 +79,14 @@ class RunningBatch:
     def clear(self) -> None:
         self.rows, self.caches = [], None
 
-    def join(self, seq: Seq, caches: list[Any]) -> None:
-        """Add `seq`, its prompt read into `caches` (the trie's live ones: copied)."""
+    def join(self, seq: Seq, caches: list[Any], *, own: bool = False) -> None:
+        """Add `seq`, its prompt read into `caches` (the trie's live ones); `own`: no one
+        else keeps them, so rows in buffers of their own take their buffers (else copies;
+        layers that pad copy anyway)."""
         if self.batched:
             if self.caches is None:
                 self.caches = BatchCaches(caches, rows=self.own_rows)
-            self.caches.add(caches)
+            self.caches.add(caches, copy=not own)
             self.row_bytes = self.caches.bytes_per_token()
             self.padded_bytes = self.caches.padded_bytes_per_token()
         else:

@@ -352,7 +352,8 @@ class Scheduler:
                 self._queue.popleft()
                 self._trie.end(seq)
                 return [(seq.handle, seq.finished())]
-        self.running.join(seq, caches)  # copies them: the trie takes its live caches back
+        # the row's buffers are the live caches' where the trie lets go of them, else copies
+        self.running.join(seq, caches, own=self.prefix.lets_go())
         if batched and self.speculation.drafts(seq.request):
             self.speculation.start(seq, self.running)
         self._queue.popleft()

@@ -388,10 +388,15 @@ class BatchCaches:
         padded = (BatchTokenCache, BatchQuantizedCache)
         return sum(x.token_bytes() for x in self.layers if isinstance(x, padded))
 
-    def add(self, caches: Sequence[object]) -> None:
-        """Join one sequence's caches (one per layer) as the last row."""
+    def add(self, caches: Sequence[object], *, copy: bool = False) -> None:
+        """Join one sequence's caches (one per layer) as the last row; `copy`: rows in
+        buffers of their own take copies, not the caches' buffers (someone else keeps
+        those, and the rows are written in place)."""
         for layer, cache in zip(self.layers, caches, strict=True):
-            layer.add(cache)  # type: ignore[arg-type]
+            if isinstance(layer, (RowTokenCache, BatchQuantizedRows)):
+                layer.add(cache, copy=copy)  # type: ignore[arg-type]
+            else:
+                layer.add(cache)  # type: ignore[arg-type]
         mx.eval([a for layer in self.layers for a in layer.state])
 
     def remove(self, rows: Sequence[int]) -> None:

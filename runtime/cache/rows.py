@@ -6,7 +6,10 @@ of keys and values (4 x 32k x 112 KB on a 7B shape: 15 GB). Here a row keeps the
 it came with, growing `step` columns at a time as a `KVCache` does, so the batch holds
 the sum of its rows' lengths plus fewer than `step` spare columns a row, and joining
 and leaving copy nothing: a joining row's buffers are its cache's, and a leaving row's
-buffers become its cache's again.
+buffers become its cache's again. The exception: a row joining from caches that stay
+in use (the trie keeps a window or recurrent model's live caches, and the next request
+on the same path joins from the same buffers) takes copies, so that no two rows write
+the same memory.
 
 A step appends to every row and reads every row in two graph nodes a layer: the CPU
 kernels' `append_rows` (in place; the models layer hands it in as `Writer`) and their
@@ -168,21 +171,22 @@ class RowTokenCache:
 
     # -- rows joining and leaving --
 
-    def add_buffers(self, buffers: Sequence[mx.array], length: int) -> None:
+    def add_buffers(self, buffers: Sequence[mx.array], length: int, *, copy: bool = False) -> None:
         """Join a row holding `length` tokens in these buffers: new array objects on the
         same memory (no copy; `mx.array(x)` would copy), so that the caller's own slice
         updates never rebind what the row holds. The caller's first `length` columns
-        keep what they hold: this batch writes only after them."""
+        keep what they hold: this batch writes only after them, so the buffers must be
+        no other row's. `copy`: copies instead (the caller hands the same buffers on)."""
         if len(buffers) != self.width or length < 1:
             raise ValueError("a row joins with a buffer per part, after its prompt has run")
         for part, buffer in zip(self.parts, buffers, strict=True):
-            part.append(mx.view(buffer, buffer.dtype))
+            part.append(mx.array(buffer) if copy else mx.view(buffer, buffer.dtype))
         self.lengths.append(length)
 
-    def add(self, cache: KVCache) -> None:
+    def add(self, cache: KVCache, *, copy: bool = False) -> None:
         if cache.keys is None or cache.values is None:
             raise ValueError("a row joins only after its prompt has run")
-        self.add_buffers([cache.keys, cache.values], cache.offset)
+        self.add_buffers([cache.keys, cache.values], cache.offset, copy=copy)
 
     def remove(self, rows: Sequence[int]) -> None:
         """Drop rows (nothing is copied)."""
@@ -289,11 +293,11 @@ class BatchQuantizedRows:
             Quantized(v[0], v[1], v[2], bits, group),
         )
 
-    def add(self, cache: QuantizedKVCache) -> None:
+    def add(self, cache: QuantizedKVCache, *, copy: bool = False) -> None:
         keys, values = cache.keys, cache.values
         if keys is None or values is None:
             raise ValueError("a row joins only after its prompt has run")
-        self.tokens.add_buffers([*keys.arrays, *values.arrays], cache.offset)
+        self.tokens.add_buffers([*keys.arrays, *values.arrays], cache.offset, copy=copy)
         self._group = keys.group_size
 
     def remove(self, rows: Sequence[int]) -> None:

@@ -48,6 +48,14 @@ class LivePath(TrieEviction, Generic[C]):
 
     # -- lending the live state to a batch row (runtime/prefix/loan.py) --
 
+    def lets_go(self) -> bool:
+        """Whether the open lease's caches are a joining batch row's alone once it joins:
+        fresh caches (no prefix cache), or live ones the trie will `lend` (every layer a
+        plain KV cache). Otherwise the live caches keep their buffers, and a row written
+        in place must copy them: the next request on the same live path would join with
+        the same buffers, and two rows would write the same columns."""
+        return not self.enabled or lendable(self._caches)
+
     def lend(self, source: Callable[[], RowState | None]) -> bool:
         """Between requests: the live path's state is also in a batch row (`source`
         gives the row's keys and values); drop the live caches' copy until it is next

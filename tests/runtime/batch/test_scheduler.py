@@ -296,3 +296,36 @@ def test_the_trie_gives_way_to_the_running_batch(folders: Callable[[str], Path])
     lowest = min(limit for limit, _ in seen)
     assert lowest < prefix.budget_bytes  # the running rows took their share
     assert seen[-1][0] == min(prefix.budget_bytes, 256 * 1024)  # and gave it back
+
+
+@pytest.mark.parametrize("name", list(ENGINE_KINDS))
+def test_one_prompt_twice_at_once_writes_two_sets_of_buffers(
+    name: str, folders: Callable[[str], Path]
+) -> None:
+    """Two requests for one cached prompt, the second joining while the first decodes:
+    both start from the trie's live caches at the same position, with no prompt token
+    left to write there. Rows written in place (runtime/cache/rows.py) must not share
+    those buffers: a window or hybrid model's trie keeps its live caches, so the second
+    row would write its own tokens over the first's columns (and they differ: one greedy,
+    one sampled). Each gets what it gets alone."""
+    folder = folders(name)
+    vocab = ENGINE_KINDS[name][1]
+    text = prompt(30, 21, vocab)
+    greedy = _request(text, 40)
+    sampled = _request(text, 12, temperature=1.0, seed=7)
+    expected = _alone(folder, [greedy, sampled])
+    assert expected[0][:12] != expected[1]  # they write different tokens
+    engine = _engine(folder, max_batch=8, cache=True)
+    try:
+        collect(engine.submit(greedy))  # the trie now holds the prompt
+        first = engine.submit(greedy)
+        head = next(e for e in first if isinstance(e, TextDelta))  # decoding
+        second = collect(engine.submit(sampled))
+        rest = collect(first)
+        stats = _scheduler(engine).stats
+    finally:
+        engine.stop()
+    assert stats.max_batch_seen > 1  # they did run together
+    assert second[0] == expected[1]
+    assert list(head.token_ids) + rest[0] == expected[0]
+    assert second[1].stats.cached_tokens == len(text) - 1
