@@ -28,6 +28,13 @@ Measurements (same token ids everywhere; EOS ignored, so every run makes its tok
   streams  --streams (8) requests of 512 tokens at once: aggregate decode tok/s over the
            window in which every stream is decoding (from the last stream's first token to
            the first stream's last); gateway via the Engine, mlx-lm via its BatchGenerator
+llama.cpp is llama-cpp-python built from source by pip (the `bench` extra). On an Intel CPU
+with AMX (seen on a 2-core Xeon VM, 2026-11-30) its native build crashed (SIGSEGV) at its
+first decode; built without AMX it runs, and that is the build these numbers come from:
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+  -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON
+  -DGGML_AVX_VNNI=ON" pip install --force-reinstall --no-deps llama-cpp-python
+
 Peak RSS is VmHWM, reset (/proc/self/clear_refs 5) after loading and warming up, so it
 covers the measured request's prefill and decode with the model resident.
 
