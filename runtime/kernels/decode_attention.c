@@ -20,19 +20,19 @@
  * (never before the row's own first key), and its span, which sets the chunks, to at
  * most `window`: a verify step's queries, each with its own first key, are split as the
  * one-query steps at their columns are.
+ *
+ * A chunk runs in AVX-512 where the CPU has it and the head width is a multiple of 16
+ * (decode_attention512.c), else in AVX2+FMA, else in portable code (decode_chunk below).
+ * Every item of a call takes the same one, so the invariants above hold on each.
  */
 
 #include <math.h>
 
 #include "common.h"
+#include "decode_attention.h"
 #include "kernels.h"
 
-enum {
-    DEC_MAX_ROWS = 16,
-    DEC_MAX_DIM = 256,
-    DEC_MIN_CHUNK = 256,
-    DEC_MAX_LENGTH = MLXGW_DECODE_MAX_LENGTH
-};
+enum { DEC_MIN_CHUNK = 256, DEC_MAX_LENGTH = MLXGW_DECODE_MAX_LENGTH };
 /* keys ahead whose cache lines a chunk asks for: the hardware prefetchers alone left the
  * loop waiting on memory at long contexts (SmolLM2 after 4,000 tokens: 70.5 -> 81.3
  * decode tokens/s; Qwen2.5-0.5B, whose keys are a smaller share of a step: +1%) */
@@ -44,13 +44,26 @@ typedef struct {
     int64_t first;  /* the first work item of this query position */
 } QueryPlan;
 
+/* What one work item computes: rows of (b, query qi, KV head kvh) of `a` against keys
+ * [j0, j1), into dst. */
+typedef struct {
+    const AttnArgs *a;
+    int b, qi, kvh;
+    int32_t j0, j1;
+    float *dst;
+} Chunk;
+
+typedef int (*LocateFn)(const AttnArgs *, const QueryPlan *, int, float *, int64_t, Chunk *);
+typedef void (*ChunkFn)(const Chunk *, int);
+
 typedef struct {
     const AttnArgs *a;
     int group;                   /* rows per KV head */
     QueryPlan plan[DEC_MAX_LENGTH];
     float *part;                 /* per item and row: max, sum, then dim output floats */
     int64_t next, items;
-    void (*fn)(const AttnArgs *, const QueryPlan *, int, float *, int64_t);
+    LocateFn locate; /* the item's keys, by the batch's layout */
+    ChunkFn chunk;   /* the code that attends to them, by the instruction set */
 } DecodeJob;
 
 /* lane k = the sum of v[k]'s lanes: a tree of pairwise shuffles and adds, 7 vector adds
@@ -166,41 +179,67 @@ INLINE int item_query(const AttnArgs *a, const QueryPlan *plan, int64_t item) {
     return l;
 }
 
+/* An empty partial result where a chunk has no keys left: 0 after the item's rows wrote
+ * it, else 1. */
+static int nonempty(Chunk *c, int group) {
+    if (c->j0 < c->j1) return 1;
+    for (int r = 0; r < group; r++) {
+        c->dst[(int64_t)r * (c->a->dim + 2)] = -__builtin_inff();
+        c->dst[(int64_t)r * (c->a->dim + 2) + 1] = 0.0f;
+    }
+    return 0;
+}
+
 /* Work item `item` = (query position, b, KV head, chunk): its keys, clipped to the row's
  * [start, the query's own column]. */
-INLINE void decode_item(const AttnArgs *a, const QueryPlan *plan, int group, float *part,
-                        int64_t item) {
+static int locate_item(const AttnArgs *a, const QueryPlan *plan, int group, float *part,
+                       int64_t item, Chunk *c) {
     const int l = item_query(a, plan, item);
     const QueryPlan *p = &plan[l];
     const int64_t local = item - p->first;
     const int64_t bk = local / p->chunks;
-    const int c = (int)(local % p->chunks);
+    const int ci = (int)(local % p->chunks);
     const int b = (int)(bk / a->kv_heads), kvh = (int)(bk % a->kv_heads);
     int32_t start = a->starts != NULL ? a->starts[b] : 0;
     const int32_t seen = a->keys - a->length + l + 1;
     if (a->window > 0 && seen - a->window > start) start = seen - a->window;
-    int32_t j0 = start + c * p->chunk, j1 = j0 + p->chunk;
-    if (j1 > seen) j1 = seen;
-    float *dst = part + item * (int64_t)group * (a->dim + 2);
-    if (j0 >= j1) { /* nothing left for this chunk: an empty partial result */
-        for (int r = 0; r < group; r++) {
-            dst[(int64_t)r * (a->dim + 2)] = -__builtin_inff();
-            dst[(int64_t)r * (a->dim + 2) + 1] = 0.0f;
-        }
-        return;
-    }
-    decode_chunk(a, group, b, l, kvh, j0, j1, dst);
+    const int32_t j0 = start + ci * p->chunk;
+    *c = (Chunk){a, b, l, kvh, j0, j0 + p->chunk < seen ? j0 + p->chunk : seen,
+                 part + item * (int64_t)group * (a->dim + 2)};
+    return nonempty(c, group);
 }
 
-static void decode_generic(const AttnArgs *a, const QueryPlan *plan, int group, float *part,
-                           int64_t item) {
-    decode_item(a, plan, group, part, item);
+/* The same for rows of their own (AttnRows): row b is its own one-row AttnArgs. */
+static int locate_rows_item(const AttnArgs *a, const QueryPlan *plan, int group, float *part,
+                            int64_t item, Chunk *c) {
+    const AttnRows *ra = (const AttnRows *)a;
+    const int l = item_query(a, plan, item);
+    const QueryPlan *p = &plan[l];
+    const int64_t local = item - p->first;
+    const int64_t bk = local / p->chunks;
+    const int ci = (int)(local % p->chunks);
+    const int b = (int)(bk / a->kv_heads), kvh = (int)(bk % a->kv_heads);
+    const AttnArgs *row = &ra->rows[b];
+    const int32_t seen = row->keys - a->length + l + 1;
+    const int32_t start = a->window > 0 && seen > a->window ? seen - a->window : 0;
+    const int32_t j0 = start + ci * p->chunk;
+    *c = (Chunk){row, 0, l, kvh, j0, j0 + p->chunk < seen ? j0 + p->chunk : seen,
+                 part + item * (int64_t)group * (a->dim + 2)};
+    return nonempty(c, group);
+}
+
+/* the chunk code for each instruction set, the item located by either layout's function */
+static void chunk_generic(const Chunk *c, int group) {
+    decode_chunk(c->a, group, c->b, c->qi, c->kvh, c->j0, c->j1, c->dst);
 }
 
 #if HAVE_X86_DISPATCH
-TARGET_AVX2 static void decode_avx2(const AttnArgs *a, const QueryPlan *plan, int group,
-                                    float *part, int64_t item) {
-    decode_item(a, plan, group, part, item);
+TARGET_AVX2 static void chunk_avx2(const Chunk *c, int group) {
+    decode_chunk(c->a, group, c->b, c->qi, c->kvh, c->j0, c->j1, c->dst);
+}
+
+static void chunk_avx512(const Chunk *c, int group) {
+    mlxgw_decode512_chunk(c->a, group, c->b, c->qi, c->kvh, c->j0, c->j1, c->dst);
 }
 #endif
 
@@ -209,7 +248,9 @@ static void *decode_worker(void *arg) {
     for (;;) {
         const int64_t item = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
         if (item >= job->items) break;
-        job->fn(job->a, job->plan, job->group, job->part, item);
+        Chunk c;
+        if (job->locate(job->a, job->plan, job->group, job->part, item, &c))
+            job->chunk(&c, job->group);
     }
     return NULL;
 }
@@ -245,14 +286,11 @@ static void merge(const DecodeJob *job, int l, int64_t bk) {
     }
 }
 
-typedef void (*DecodeFn)(const AttnArgs *, const QueryPlan *, int, float *, int64_t);
-
 /* Plans each query position's chunks as a one-query step over its keys would split them
  * (`keys`: the longest row's, from its first key; enough chunks for every thread to have
- * several, none shorter than DEC_MIN_CHUNK), runs the items on the threads (`avx2` where
- * the CPU has it) and merges them. */
-static int run_decode(const AttnArgs *a, int32_t keys, int threads, DecodeFn generic,
-                      DecodeFn avx2) {
+ * several, none shorter than DEC_MIN_CHUNK, each a whole number of 16-key blocks), runs
+ * the items on the threads (in AVX-512 or AVX2 where the CPU has it) and merges them. */
+static int run_decode(const AttnArgs *a, int32_t keys, int threads, LocateFn locate) {
     const int64_t heads = (int64_t)a->batch * a->kv_heads;
     DecodeJob job = {0};
     job.a = a;
@@ -265,14 +303,21 @@ static int run_decode(const AttnArgs *a, int32_t keys, int threads, DecodeFn gen
         chunks = chunks < most ? chunks : most;
         chunks = chunks < 1 ? 1 : chunks;
         int32_t chunk = (int32_t)((span + chunks - 1) / chunks);
-        job.plan[l].chunk = (chunk + 7) / 8 * 8;
+        job.plan[l].chunk = (chunk + 15) / 16 * 16;
         job.plan[l].chunks = (int)chunks;
         job.plan[l].first = job.items;
         job.items += heads * chunks;
     }
     job.part = malloc((size_t)job.items * job.group * (a->dim + 2) * sizeof(float));
     if (job.part == NULL) return 2;
-    job.fn = avx2 != NULL && use_avx2(a->generic) ? avx2 : generic;
+    job.locate = locate;
+    job.chunk = chunk_generic;
+#if HAVE_X86_DISPATCH
+    if (mlxgw_decode512_usable(a->generic, a->dim))
+        job.chunk = chunk_avx512;
+    else if (use_avx2(a->generic))
+        job.chunk = chunk_avx2;
+#endif
     run_threads(decode_worker, &job, threads < job.items ? threads : (int)job.items);
     for (int l = 0; l < a->length; l++)
         for (int64_t bk = 0; bk < heads; bk++) merge(&job, l, bk);
@@ -293,13 +338,7 @@ EXPORT int mlxgw_attention_decode(const AttnArgs *a) {
         first_key = start < first_key ? start : first_key;
     }
     const int threads = a->threads < 1 ? 1 : a->threads;
-    return run_decode(a, a->keys - first_key, threads, decode_generic,
-#if HAVE_X86_DISPATCH
-                      decode_avx2
-#else
-                      NULL
-#endif
-    );
+    return run_decode(a, a->keys - first_key, threads, locate_item);
 }
 
 /* ------------------------------------------------------------ rows of their own ---- */
@@ -309,43 +348,6 @@ EXPORT int mlxgw_attention_decode(const AttnArgs *a) {
  * at row b, `keys` its own length). The chunks are planned as mlxgw_attention_decode
  * plans the same rows left-padded in one buffer (from the longest row's keys, each row's
  * chunks from its own first key), so every row gets the same bits it would get there. */
-INLINE void decode_rows_item(const AttnArgs *a, const QueryPlan *plan, int group, float *part,
-                             int64_t item) {
-    const AttnRows *ra = (const AttnRows *)a;
-    const int l = item_query(a, plan, item);
-    const QueryPlan *p = &plan[l];
-    const int64_t local = item - p->first;
-    const int64_t bk = local / p->chunks;
-    const int c = (int)(local % p->chunks);
-    const int b = (int)(bk / a->kv_heads), kvh = (int)(bk % a->kv_heads);
-    const AttnArgs *row = &ra->rows[b];
-    const int32_t seen = row->keys - a->length + l + 1;
-    const int32_t start = a->window > 0 && seen > a->window ? seen - a->window : 0;
-    int32_t j0 = start + c * p->chunk, j1 = j0 + p->chunk;
-    if (j1 > seen) j1 = seen;
-    float *dst = part + item * (int64_t)group * (a->dim + 2);
-    if (j0 >= j1) {
-        for (int r = 0; r < group; r++) {
-            dst[(int64_t)r * (a->dim + 2)] = -__builtin_inff();
-            dst[(int64_t)r * (a->dim + 2) + 1] = 0.0f;
-        }
-        return;
-    }
-    decode_chunk(row, group, 0, l, kvh, j0, j1, dst);
-}
-
-static void decode_rows_generic(const AttnArgs *a, const QueryPlan *plan, int group,
-                                float *part, int64_t item) {
-    decode_rows_item(a, plan, group, part, item);
-}
-
-#if HAVE_X86_DISPATCH
-TARGET_AVX2 static void decode_rows_avx2(const AttnArgs *a, const QueryPlan *plan, int group,
-                                         float *part, int64_t item) {
-    decode_rows_item(a, plan, group, part, item);
-}
-#endif
-
 EXPORT int mlxgw_attention_decode_rows(const AttnRows *ra) {
     const AttnArgs *a = &ra->base;
     if (a->length < 1 || a->length > DEC_MAX_LENGTH || (a->length > 1 && !a->causal) ||
@@ -361,11 +363,5 @@ EXPORT int mlxgw_attention_decode_rows(const AttnRows *ra) {
         longest = row->keys > longest ? row->keys : longest;
     }
     const int threads = a->threads < 1 ? 1 : a->threads;
-    return run_decode(a, longest, threads, decode_rows_generic,
-#if HAVE_X86_DISPATCH
-                      decode_rows_avx2
-#else
-                      NULL
-#endif
-    );
+    return run_decode(a, longest, threads, locate_rows_item);
 }

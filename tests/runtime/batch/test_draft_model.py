@@ -413,6 +413,10 @@ class _Stepped:
         if speculation.model is not None:
             self.counted = _Counted(speculation.model.model)
             speculation.model.model = self.counted
+            # a step's reading (and how far behind a row may be and still draft) as the
+            # chunk, not as fast as this machine read the last one: the steps' shapes below
+            # must not depend on the machine's load
+            speculation.model._sized = lambda step_seconds: CHUNK  # type: ignore[method-assign]
         self.rows: dict[int, Seq] = {}  # by request, in admission order
 
     def admit(self, request: GenerationRequest) -> None:

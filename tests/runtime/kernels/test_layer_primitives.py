@@ -125,13 +125,25 @@ def test_attention_skips_each_rows_left_padding(ext: Any) -> None:
         np.testing.assert_allclose(np.asarray(got[sl]), want, atol=2e-6)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(14, 2, 64), (9, 3, 64), (8, 8, 128)])
+# "": the widest code this CPU has (AVX-512 where the head width is a multiple of 16)
+DECODE_ISAS = ("", "avx2", "generic")
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"),
+    # groups of 7, 3, 1, 16, 4 and 5 rows (the AVX-512 value tiles: 4 rows, then the
+    # rest), widths in 4, 8, 16 and 3 slices of 16, and one (80) AVX-512 leaves to AVX2
+    [(14, 2, 64), (9, 3, 64), (8, 8, 128), (16, 1, 64), (4, 1, 256), (10, 2, 48), (6, 3, 80)],
+)  # fmt: skip
 @pytest.mark.parametrize("keys", [1, 7, 300, 2049])
+@pytest.mark.parametrize("isa", DECODE_ISAS)
 def test_decode_attention_equals_mlx(
-    ext: Any, heads: int, kv_heads: int, dim: int, keys: int
-) -> None:
+    ext: Any, monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int, dim: int, keys: int,
+    isa: str,
+) -> None:  # fmt: skip
     """One query per sequence (the decode kernel: keys split in chunks across threads,
-    merged), batch rows from their first key."""
+    merged), batch rows from their first key, on each instruction set's code."""
+    monkeypatch.setenv(kernels.ENV_ISA, isa)
     rng = np.random.default_rng(keys + heads)
     q = mx.array(rng.standard_normal((3, heads, 1, dim), dtype=np.float32))
     k = mx.array(rng.standard_normal((3, kv_heads, keys + 16, dim), dtype=np.float32))
@@ -149,11 +161,15 @@ def test_decode_attention_equals_mlx(
 
 
 @pytest.mark.parametrize("length", [2, 9, 16])
-def test_verify_rows_attend_as_one_query_steps_do(ext: Any, length: int) -> None:
+@pytest.mark.parametrize("isa", DECODE_ISAS)
+def test_verify_rows_attend_as_one_query_steps_do(
+    ext: Any, monkeypatch: pytest.MonkeyPatch, length: int, isa: str
+) -> None:
     """A few causal queries per sequence (a speculative step's verify rows) run in the
     decode kernel: each query's output equals the naive reference, and is the very bits
     a one-query step over the same keys computes (drafted tokens are checked against
-    the logits decoding without them would have had)."""
+    the logits decoding without them would have had), on each instruction set's code."""
+    monkeypatch.setenv(kernels.ENV_ISA, isa)
     rng = np.random.default_rng(length)
     keys = 700
     q = mx.array(rng.standard_normal((3, 14, length, 64), dtype=np.float32))

@@ -27,6 +27,7 @@ SOURCES = [
             "pool.c",
             "rows.c",
             "decode_attention.c",
+            "decode_attention512.c",
         )
     ),
 ]
