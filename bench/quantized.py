@@ -39,14 +39,17 @@ Peak RSS is VmHWM, reset (/proc/self/clear_refs 5) after loading and warming up,
 covers the measured request's prefill and decode with the model resident.
 
     python bench/quantized.py [--models ...] [--configs ...] [--scenarios ...] [--skip-7b]
-                              [--gen-tokens 128] [--reuse]
+                              [--gen-tokens 128] [--reuse] [--repeat 1]
 
 Every result is also stored in --results (JSON, keyed by model/config/scenario, with the
 git state of the gateway's code); --reuse fills the cells this run did not measure from it
 (marked *), so the parts can run separately. The machine may be shared: before each
 measurement the driver waits (--idle-wait) for other processes to go quiet, records the
 cores they kept busy meanwhile ("others' cores"), and --keep-quiet CORES reruns only the
-cells measured while they used more.
+cells measured while they used more. --repeat N measures every cell N times, in rounds
+(each round runs every configuration of a model once, so a noisy minute falls on both
+sides of a ratio), and a cell is the median of its runs, field by field; its record keeps
+each run's numbers under "repeats".
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -251,6 +255,9 @@ def main() -> None:
     p.add_argument("--results", type=Path, default=None, help="default: <root>/quantized.json")
     p.add_argument("--reuse", action="store_true", help="fill unmeasured cells from --results")
     p.add_argument(
+        "--repeat", type=int, default=1, help="runs per cell, in rounds; a cell is their median"
+    )
+    p.add_argument(
         "--keep-quiet",
         type=float,
         default=None,
@@ -266,30 +273,58 @@ def main() -> None:
         start = time.perf_counter()
         gguf, folder = _model_files(alias, args)
         vocab = _vocab(gguf)
-        for config in args.configs:
-            for scenario in _plan(alias, config, args):
-                key = f"{alias}|{config}|{scenario}"
-                if _measured_quietly(stored.get(key), args.keep_quiet):
-                    continue
-                _log(f"{key} ...")
-                waited = wait_for_idle(args.idle_wait) if args.idle_wait > 0 else 0.0
-                out = _run_worker(
-                    _worker_args(config, scenario, gguf, folder, vocab, args), args.timeout
-                )
-                out["waited_for_idle_s"] = waited
-                # the gateway's code may change during a long run: its state at each run
-                out["git"] = _git_state() if config.startswith("gateway") else ""
-                out["at"] = time.strftime("%Y-%m-%d %H:%M")
-                _log(f"  {json.dumps(out)}")
-                fresh[key] = stored[key] = out
-                results_file.parent.mkdir(parents=True, exist_ok=True)
-                results_file.write_text(json.dumps(stored, indent=1))
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for round_ in range(args.repeat):
+            for config in args.configs:
+                for scenario in _plan(alias, config, args):
+                    key = f"{alias}|{config}|{scenario}"
+                    if _measured_quietly(stored.get(key), args.keep_quiet) and key not in runs:
+                        continue
+                    _log(
+                        f"{key} ..." + (f" (run {round_ + 1} of {args.repeat})" * (args.repeat > 1))
+                    )
+                    waited = wait_for_idle(args.idle_wait) if args.idle_wait > 0 else 0.0
+                    out = _run_worker(
+                        _worker_args(config, scenario, gguf, folder, vocab, args), args.timeout
+                    )
+                    out["waited_for_idle_s"] = waited
+                    # the gateway's code may change during a long run: its state at each run
+                    out["git"] = _git_state() if config.startswith("gateway") else ""
+                    out["at"] = time.strftime("%Y-%m-%d %H:%M")
+                    _log(f"  {json.dumps(out)}")
+                    runs.setdefault(key, []).append(out)
+                    fresh[key] = stored[key] = _median(runs[key])
+                    results_file.parent.mkdir(parents=True, exist_ok=True)
+                    results_file.write_text(json.dumps(stored, indent=1))
         _log(f"{alias}: {time.perf_counter() - start:.0f} s")
     cells = dict(stored) if args.reuse or args.keep_quiet is not None else {}
     reused = {k for k in cells if k not in fresh}
     cells.update(fresh)
     print(f"\ngateway code now: {_git_state()}")
     print_tables(models, cells, reused, args)
+
+
+# the numbers a cell's runs are combined in (the rest is the first run's: its tokens, load)
+MEDIAN_FIELDS = ("decode_tps", "prefill_tps", "aggregate_tps", "peak_rss_gb")
+
+
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run as it is; several as the first with each of MEDIAN_FIELDS the median of the
+    runs that measured it and "others_cores" their most (a failed run fails the cell),
+    every run's numbers under "repeats"."""
+    if len(runs) == 1:
+        return runs[0]
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    cell = dict(runs[0])
+    for field in MEDIAN_FIELDS:
+        values = [r[field] for r in runs if isinstance(r.get(field), int | float)]
+        if values:
+            cell[field] = statistics.median(values)
+    cell["others_cores"] = max(r.get("others_cores", 0.0) for r in runs)
+    cell["repeats"] = [{f: r.get(f) for f in (*MEDIAN_FIELDS, "others_cores", "at")} for r in runs]
+    return cell
 
 
 # ---------------------------------------------------------------- tables
@@ -328,9 +363,10 @@ def print_tables(
     models: list[str], cells: dict[str, Any], reused: set[str], args: argparse.Namespace
 ) -> None:
     n, p512, p8k = args.streams, args.prompt_tokens, args.long_tokens
+    runs = "one run each" if args.repeat == 1 else f"the median of {args.repeat} runs each"
     print(
         f"\nprompts {args.prompt_tokens} / {args.long_tokens} tokens, {args.gen_tokens} generated "
-        f"(mlx-lm {args.mlxlm_gen_tokens}), greedy, one run each; llama.cpp {args.llama_threads} "
+        f"(mlx-lm {args.mlxlm_gen_tokens}), greedy, {runs}; llama.cpp {args.llama_threads} "
         f"threads; prefill at {args.long_tokens} (7B shape: at {args.prompt_tokens}); * = from an "
         "earlier run; others' cores: the most cores other processes kept busy during the "
         "row's runs (the machine is shared)"
