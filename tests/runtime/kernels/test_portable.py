@@ -27,7 +27,6 @@ SOURCES = [
             "pool.c",
             "rows.c",
             "decode_attention.c",
-            "decode_attention512.c",
         )
     ),
 ]
