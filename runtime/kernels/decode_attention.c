@@ -227,8 +227,8 @@ INLINE void values_rows(float (*o)[DEC_MAX_DIM], const float (*w)[8], const floa
  * 8 streams of Qwen2.5-0.5B after 520 tokens, 24 layers' caches: 8.2 -> 5.6 ms a step; one
  * stream after 8000: 16.6 -> 12.3 ms. An AVX-512 version (16-key blocks) was 7-10% faster
  * than this on an Intel Xeon, 2-3% of a whole 8-stream step (where reading the caches
- * bounds the attention), and nothing on a CPU that splits 512-bit vectors (AMD Zen 4): not
- * worth a third code path. The portable code stays decode_chunk: compiled for 4-float SSE
+ * bounds the attention), and a CPU that splits 512-bit vectors in two (AMD Zen 4) runs
+ * the same number of 256-bit halves either way: not worth a third code path. The portable code stays decode_chunk: compiled for 4-float SSE
  * registers, GCC spills these tiles to the stack (2x slower). */
 INLINE void tiled_chunk_dim(const AttnArgs *a, int group, int b, int qi, int kvh, int32_t j0,
                             int32_t j1, float *part, const int dv) {
