@@ -85,6 +85,26 @@ INLINE v8f hsum8x8(const v8f *v) {
            __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+/* The block of keys from j (before j1): its key and value rows, the keys past the chunk's
+ * end pointing at its last key again (masked by the caller: weight 0); the caches' lines
+ * some blocks ahead asked for. How many keys it has. */
+INLINE int block_keys(const AttnArgs *a, const float *kp, const float *vp, int32_t j,
+                      int32_t j1, const float **key, const float **value) {
+    const int n = j1 - j < 8 ? j1 - j : 8;
+    const float *kb = kp + j * a->k_strides[2], *vb = vp + j * a->v_strides[2];
+    if (j + DEC_PREFETCH_KEYS + 8 <= j1)
+        for (int k = 0; k < 8; k++)
+            for (int d = 0; d < a->dim; d += 16) {
+                __builtin_prefetch(kb + (DEC_PREFETCH_KEYS + k) * a->k_strides[2] + d);
+                __builtin_prefetch(vb + (DEC_PREFETCH_KEYS + k) * a->v_strides[2] + d);
+            }
+    for (int k = 0; k < 8; k++) {
+        key[k] = kb + (k < n ? k : n - 1) * a->k_strides[2];
+        value[k] = vb + (k < n ? k : n - 1) * a->v_strides[2];
+    }
+    return n;
+}
+
 /* One chunk: rows of (b, query qi, KV head) against keys [j0, j1); writes max, sum, output. */
 INLINE void decode_chunk_dim(const AttnArgs *a, int group, int b, int qi, int kvh, int32_t j0,
                              int32_t j1, float *part, const int dv) {
@@ -105,20 +125,8 @@ INLINE void decode_chunk_dim(const AttnArgs *a, int group, int b, int qi, int kv
         l[r] = 0.0f;
     }
     for (int32_t j = j0; j < j1; j += 8) {
-        const int n = j1 - j < 8 ? j1 - j : 8;
-        const float *kb = kp + j * a->k_strides[2], *vb = vp + j * a->v_strides[2];
-        if (j + DEC_PREFETCH_KEYS + 8 <= j1) /* the keys and values some blocks ahead */
-            for (int k = 0; k < 8; k++)
-                for (int d = 0; d < dim; d += 16) {
-                    __builtin_prefetch(kb + (DEC_PREFETCH_KEYS + k) * a->k_strides[2] + d);
-                    __builtin_prefetch(vb + (DEC_PREFETCH_KEYS + k) * a->v_strides[2] + d);
-                }
-        /* keys past the chunk's end read the last key again, and are masked below */
         const float *key[8], *value[8];
-        for (int k = 0; k < 8; k++) {
-            key[k] = kb + (k < n ? k : n - 1) * a->k_strides[2];
-            value[k] = vb + (k < n ? k : n - 1) * a->v_strides[2];
-        }
+        const int n = block_keys(a, kp, vp, j, j1, key, value);
         for (int r = 0; r < group; r++) {
             /* eight keys' dot products side by side (eight independent chains), then
              * summed across lanes all at once */
@@ -252,20 +260,8 @@ INLINE void tiled_chunk_dim(const AttnArgs *a, int group, int b, int qi, int kvh
     }
     const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
     for (int32_t j = j0; j < j1; j += 8) {
-        const int n = j1 - j < 8 ? j1 - j : 8;
-        const float *kb = kp + j * a->k_strides[2], *vb = vp + j * a->v_strides[2];
-        if (j + DEC_PREFETCH_KEYS + 8 <= j1) /* the keys and values some blocks ahead */
-            for (int k = 0; k < 8; k++)
-                for (int d = 0; d < dim; d += 16) {
-                    __builtin_prefetch(kb + (DEC_PREFETCH_KEYS + k) * a->k_strides[2] + d);
-                    __builtin_prefetch(vb + (DEC_PREFETCH_KEYS + k) * a->v_strides[2] + d);
-                }
-        /* keys past the chunk's end read the last key again and get weight 0 */
         const float *key[8], *value[8];
-        for (int k = 0; k < 8; k++) {
-            key[k] = kb + (k < n ? k : n - 1) * a->k_strides[2];
-            value[k] = vb + (k < n ? k : n - 1) * a->v_strides[2];
-        }
+        const int n = block_keys(a, kp, vp, j, j1, key, value);
         const v8i valid = lane < vsplati(n);
         for (int r = 0; r < group; r++) {
             v8f acc[8];
