@@ -131,8 +131,14 @@ class Channel:
         if length:
             mine = payload if payload is not None else bytes(length)
             data = self._all_sum(np.frombuffer(mine, np.uint8)).tobytes()
-        self.rounds += 1
         slots = summed[_HEAD:].reshape(self.size, _SLOT)
+        absent = [str(r) for r in range(self.size) if not slots[r, 0]]
+        if absent:  # its part of the sum never came: its link failed, not a round heard
+            raise GroupLost(
+                f"rank {', '.join(absent)} left the group (no part in round "
+                f"{int(summed[_ROUND])}: its connection failed)"
+            )
+        self.rounds += 1
         message = Round(
             command=Command(int(summed[_COMMAND])),
             payload=json.loads(data) if data else {},

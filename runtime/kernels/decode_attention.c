@@ -21,8 +21,8 @@
  * most `window`: a verify step's queries, each with its own first key, are split as the
  * one-query steps at their columns are.
  *
- * A chunk runs in AVX2+FMA where the CPU has it (tiled_chunk), else in portable code
- * (decode_chunk). Every item of a call takes the same one, so the invariants above hold
+ * A chunk runs in AVX2+FMA where the CPU has it (tiled_chunk_dim), else in portable code
+ * (decode_chunk_dim). Every item of a call takes the same one, so the invariants above hold
  * on each.
  */
 
@@ -172,18 +172,6 @@ INLINE void decode_chunk_dim(const AttnArgs *a, int group, int b, int qi, int kv
     }
 }
 
-/* decode_chunk_dim with the head width a constant where it is a common one (64, 128):
- * its loops then unroll and the row's vectors stay in registers */
-INLINE void decode_chunk(const AttnArgs *a, int group, int b, int qi, int kvh, int32_t j0,
-                         int32_t j1, float *part) {
-    if (a->dim == 64)
-        decode_chunk_dim(a, group, b, qi, kvh, j0, j1, part, 8);
-    else if (a->dim == 128)
-        decode_chunk_dim(a, group, b, qi, kvh, j0, j1, part, 16);
-    else
-        decode_chunk_dim(a, group, b, qi, kvh, j0, j1, part, a->dim / 8);
-}
-
 /* the largest of v's lanes */
 INLINE float hmax(v8f v) {
     v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
@@ -290,15 +278,15 @@ INLINE void tiled_chunk_dim(const AttnArgs *a, int group, int b, int qi, int kvh
     }
 }
 
-/* tiled_chunk_dim with the head width a constant where it is a common one (64, 128) */
-INLINE void tiled_chunk(const AttnArgs *a, int group, int b, int qi, int kvh, int32_t j0,
-                        int32_t j1, float *part) {
-    if (a->dim == 64)
-        tiled_chunk_dim(a, group, b, qi, kvh, j0, j1, part, 8);
-    else if (a->dim == 128)
-        tiled_chunk_dim(a, group, b, qi, kvh, j0, j1, part, 16);
+/* decode_chunk_dim (or, `tiled`, tiled_chunk_dim) with the head width a constant where it
+ * is a common one (64, 128): its loops then unroll and a row's vectors stay in registers */
+INLINE void decode_chunk(const AttnArgs *a, int group, int b, int qi, int kvh, int32_t j0,
+                         int32_t j1, float *part, const int tiled) {
+    const int dv = a->dim == 64 ? 8 : a->dim == 128 ? 16 : a->dim / 8;
+    if (tiled)
+        tiled_chunk_dim(a, group, b, qi, kvh, j0, j1, part, dv);
     else
-        tiled_chunk_dim(a, group, b, qi, kvh, j0, j1, part, a->dim / 8);
+        decode_chunk_dim(a, group, b, qi, kvh, j0, j1, part, dv);
 }
 
 /* The query position of work item `item` (the plans are in order of their first item). */
@@ -359,12 +347,12 @@ static int locate_rows_item(const AttnArgs *a, const QueryPlan *plan, int group,
 
 /* the chunk code for each instruction set, the item located by either layout's function */
 static void chunk_generic(const Chunk *c, int group) {
-    decode_chunk(c->a, group, c->b, c->qi, c->kvh, c->j0, c->j1, c->dst);
+    decode_chunk(c->a, group, c->b, c->qi, c->kvh, c->j0, c->j1, c->dst, 0);
 }
 
 #if HAVE_X86_DISPATCH
 TARGET_AVX2 static void chunk_avx2(const Chunk *c, int group) {
-    tiled_chunk(c->a, group, c->b, c->qi, c->kvh, c->j0, c->j1, c->dst);
+    decode_chunk(c->a, group, c->b, c->qi, c->kvh, c->j0, c->j1, c->dst, 1);
 }
 #endif
 

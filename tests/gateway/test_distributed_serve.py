@@ -49,7 +49,7 @@ from safetensors.numpy import save_file
 
 from gateway.core.models.build import build_served
 from gateway.core.settings import EngineSettings
-from runtime.distributed.channel import Channel, Command, Round
+from runtime.distributed.channel import Channel, Command, GroupLost, Round
 from runtime.distributed.replica import GroupMemory, LockstepPrefixCache
 from runtime.engine import (
     Engine,
@@ -461,6 +461,19 @@ def test_a_round_carries_rank_0s_decisions() -> None:
     assert (first.number, first.seen, first.digests, first.present) == (1, (0,), (99,), (True,))
     assert first.held == (5 * 2**30 + 1024,)
     assert second.round == Round(Command.IDLE) and second.seen == (1,) and second.held == (0,)
+
+
+def test_a_round_without_a_ranks_part_is_a_lost_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collective that fails on a broken link can come back with only this rank's part
+    (MLX's ring backend fails its pending sums): a rank's empty slot ends the group, and
+    the round does not count as heard (rank 0 deciding on a SIGTERM takes two rounds heard
+    for a healthy group)."""
+    channel = Channel(mx.distributed.init(strict=False))
+    channel.size = 2  # rank 1's part of every sum lost: the sum is rank 0's own
+    monkeypatch.setattr(channel, "_all_sum", lambda values: values.copy())
+    with pytest.raises(GroupLost, match="rank 1 left the group"):
+        channel.send(Round(Command.IDLE), digest=5)
+    assert channel.rounds == 0
 
 
 def test_rank_0_works_to_the_budget_of_the_rank_holding_most() -> None:
