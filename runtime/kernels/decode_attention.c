@@ -213,19 +213,20 @@ INLINE void values_rows(float (*o)[DEC_MAX_DIM], const float (*w)[8], const floa
     }
 }
 
-/* decode_chunk for AVX2: blocks of 8 keys as there, in an order that suits 16 registers
- * of 8 floats. Per row, the block's 8 dot products side by side (8 independent chains),
- * summed across lanes all at once (hsum8x8); its maximum by one reduction and its weights
- * by one vector 2^x (decode_chunk: a scalar loop and a sum per block); the sum of weights
- * kept in 8 lanes across the chunk, summed once at its end. Then the values for all rows,
- * in tiles (values_rows), each value loaded once per tile where decode_chunk loads it
- * again for every row and scales the row's whole output every block in its own pass.
- * 8 streams of Qwen2.5-0.5B after 520 tokens, 24 layers' caches: 8.2 -> 5.6 ms a step; one
- * stream after 8000: 16.6 -> 12.3 ms. An AVX-512 version (16-key blocks) was 7-10% faster
- * than this on an Intel Xeon, 2-3% of a whole 8-stream step (where reading the caches
- * bounds the attention), and a CPU that splits 512-bit vectors in two (AMD Zen 4) runs
- * the same number of 256-bit halves either way: not worth a third code path. The portable code stays decode_chunk: compiled for 4-float SSE
- * registers, GCC spills these tiles to the stack (2x slower). */
+/* decode_chunk_dim for AVX2: blocks of 8 keys as there, in an order that suits 16
+ * registers of 8 floats. Per row, the block's 8 dot products side by side (8 independent
+ * chains), summed across lanes all at once (hsum8x8); its maximum by one reduction and its
+ * weights by one vector 2^x (decode_chunk_dim: a scalar loop and a sum per block); the sum
+ * of weights kept in 8 lanes across the chunk, summed once at its end. Then the values
+ * for all rows, in tiles (values_rows), each value loaded once per tile where
+ * decode_chunk_dim loads it again for every row and scales the row's whole output every
+ * block in a pass of its own. 8 streams of Qwen2.5-0.5B after 520 tokens, 24 layers'
+ * caches: 8.2 -> 5.6 ms a step; one stream after 8000: 16.6 -> 12.3 ms. An AVX-512
+ * version (16-key blocks) was 7-10% faster than this on an Intel Xeon, 2-3% of a whole
+ * 8-stream step (where reading the caches bounds the attention), and a CPU that splits
+ * 512-bit vectors in two (AMD Zen 4) runs the same number of 256-bit halves either way:
+ * not worth a third code path. The portable code stays decode_chunk_dim: compiled for
+ * 4-float SSE registers, GCC spills these tiles to the stack (2x slower). */
 INLINE void tiled_chunk_dim(const AttnArgs *a, int group, int b, int qi, int kvh, int32_t j0,
                             int32_t j1, float *part, const int dv) {
     const int dim = a->dim;
@@ -296,6 +297,19 @@ INLINE int item_query(const AttnArgs *a, const QueryPlan *plan, int64_t item) {
     return l;
 }
 
+/* Work item `item` as (query position l, row b, KV head kvh, chunk ci). */
+typedef struct {
+    int l, b, kvh, ci;
+} Place;
+
+static Place place(const AttnArgs *a, const QueryPlan *plan, int64_t item) {
+    const int l = item_query(a, plan, item);
+    const int64_t local = item - plan[l].first;
+    const int64_t bk = local / plan[l].chunks;
+    return (Place){l, (int)(bk / a->kv_heads), (int)(bk % a->kv_heads),
+                   (int)(local % plan[l].chunks)};
+}
+
 /* An empty partial result where a chunk has no keys left: 0 after the item's rows wrote
  * it, else 1. */
 static int nonempty(Chunk *c, int group) {
@@ -311,17 +325,14 @@ static int nonempty(Chunk *c, int group) {
  * [start, the query's own column]. */
 static int locate_item(const AttnArgs *a, const QueryPlan *plan, int group, float *part,
                        int64_t item, Chunk *c) {
-    const int l = item_query(a, plan, item);
-    const QueryPlan *p = &plan[l];
-    const int64_t local = item - p->first;
-    const int64_t bk = local / p->chunks;
-    const int ci = (int)(local % p->chunks);
-    const int b = (int)(bk / a->kv_heads), kvh = (int)(bk % a->kv_heads);
+    const Place at = place(a, plan, item);
+    const int l = at.l, b = at.b, kvh = at.kvh;
+    const int64_t span = plan[l].chunk;
     int32_t start = a->starts != NULL ? a->starts[b] : 0;
     const int32_t seen = a->keys - a->length + l + 1;
     if (a->window > 0 && seen - a->window > start) start = seen - a->window;
-    const int32_t j0 = start + ci * p->chunk;
-    *c = (Chunk){a, b, l, kvh, j0, j0 + p->chunk < seen ? j0 + p->chunk : seen,
+    const int32_t j0 = start + at.ci * (int32_t)span;
+    *c = (Chunk){a, b, l, kvh, j0, j0 + span < seen ? (int32_t)(j0 + span) : seen,
                  part + item * (int64_t)group * (a->dim + 2)};
     return nonempty(c, group);
 }
@@ -330,17 +341,14 @@ static int locate_item(const AttnArgs *a, const QueryPlan *plan, int group, floa
 static int locate_rows_item(const AttnArgs *a, const QueryPlan *plan, int group, float *part,
                             int64_t item, Chunk *c) {
     const AttnRows *ra = (const AttnRows *)a;
-    const int l = item_query(a, plan, item);
-    const QueryPlan *p = &plan[l];
-    const int64_t local = item - p->first;
-    const int64_t bk = local / p->chunks;
-    const int ci = (int)(local % p->chunks);
-    const int b = (int)(bk / a->kv_heads), kvh = (int)(bk % a->kv_heads);
+    const Place at = place(a, plan, item);
+    const int l = at.l, b = at.b, kvh = at.kvh;
+    const int64_t span = plan[l].chunk;
     const AttnArgs *row = &ra->rows[b];
     const int32_t seen = row->keys - a->length + l + 1;
     const int32_t start = a->window > 0 && seen > a->window ? seen - a->window : 0;
-    const int32_t j0 = start + ci * p->chunk;
-    *c = (Chunk){row, 0, l, kvh, j0, j0 + p->chunk < seen ? j0 + p->chunk : seen,
+    const int32_t j0 = start + at.ci * (int32_t)span;
+    *c = (Chunk){row, 0, l, kvh, j0, j0 + span < seen ? (int32_t)(j0 + span) : seen,
                  part + item * (int64_t)group * (a->dim + 2)};
     return nonempty(c, group);
 }
