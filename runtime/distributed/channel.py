@@ -205,6 +205,12 @@ class Watchdog:
         with self._lock:
             self._deadline = None
 
+    @property
+    def deadline(self) -> float | None:
+        """When (time.monotonic) the armed stretch runs over; None while disarmed."""
+        with self._lock:
+            return self._deadline
+
     def stop(self) -> None:
         self._stop.set()
 

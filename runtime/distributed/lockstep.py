@@ -203,6 +203,12 @@ class LockstepRunner(Lockstep):
         # runner, so that no later round's bound covers a follower's setup
         self.channel.send(Round(Command.IDLE), self.digest)
 
+    @property
+    def watched_until(self) -> float | None:
+        """When (time.monotonic) the watchdog gives up on the round or step in flight,
+        if one is; None between them."""
+        return self._watchdog.deadline
+
     def watch(self) -> None:
         """Start the watchdog (the serve command does, with the engine's)."""
         self._watchdog.start()

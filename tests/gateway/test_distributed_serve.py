@@ -24,6 +24,7 @@ timeout is 3 s, the assertions allow far more.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -596,3 +597,50 @@ def test_a_halted_engine_fails_its_requests_and_refuses_new_ones_for_good() -> N
     finally:
         runner.release.set()
         engine.stop()
+
+
+class DecidingRunner:
+    """What rank 0's SIGTERM decision reads of its runner: rounds counted, the watchdog's
+    deadline for the round in flight, and why the group was lost. Each read of the
+    deadline is one poll of the decision; `lose_at` / `round_every` act on those polls."""
+
+    def __init__(self, watched: float | None, lose_at: int = 0, round_every: int = 0) -> None:
+        self.channel = type("Counted", (), {"rounds": 0})()
+        self.lost: str | None = None
+        self._watched, self._lose_at, self._round_every = watched, lose_at, round_every
+        self.polls = 0
+
+    @property
+    def watched_until(self) -> float | None:
+        self.polls += 1
+        if self._lose_at and self.polls >= self._lose_at:
+            self.lost = "rank 1 did not answer within 3 s (a step)"
+        if self._round_every and self.polls % self._round_every == 0:
+            self.channel.rounds += 1
+        return self._watched
+
+
+def _decide(runner: DecidingRunner, seconds: float) -> str | None:
+    from types import SimpleNamespace
+
+    from gateway.cli.serve.distributed_stop import GroupServer
+
+    server = SimpleNamespace(runner=runner)
+    return asyncio.run(GroupServer._lost_within(server, seconds))  # type: ignore[arg-type]
+
+
+def test_a_sigterm_decision_waits_for_the_watchdog_of_the_round_in_flight() -> None:
+    """The fixed wait is over at once, but a round is in flight whose watchdog has not
+    spoken yet: a rank that died silently is known only then, so the decision waits
+    for it (before, it drained and clients lost the server that says why)."""
+    runner = DecidingRunner(time.monotonic() + 600, lose_at=3)
+    assert _decide(runner, 0.0) == "rank 1 did not answer within 3 s (a step)"
+    assert runner.polls == 3
+
+
+def test_a_sigterm_decision_ends_when_the_watchdog_passed_or_two_rounds_complete() -> None:
+    # the round's watchdog deadline (and its slack) already passed, nothing lost: healthy
+    assert _decide(DecidingRunner(time.monotonic() - 1.0), 0.0) is None
+    # a far deadline, but every rank answered two rounds after the signal: healthy
+    runner = DecidingRunner(time.monotonic() + 600, round_every=2)
+    assert _decide(runner, 0.0) is None and runner.channel.rounds == 2

@@ -5,11 +5,14 @@ mlx.launch ends every rank with one SIGTERM once any rank exits with an error (a
 started over ssh gets its session's SIGHUP first, then that SIGTERM). Rank 0 would then
 drain and leave, and clients would lose the server that tells them why. So:
 
-- SIGTERM or SIGHUP: rank 0 first looks at the group, for up to `DECIDE_S` seconds
-  while it goes on serving. The group broke when the runner reports it lost (a peer's
-  socket closed, or the watchdog gave up on a silent rank); it is healthy once two
-  rounds complete after the signal (a rank that was already gone can finish at most the
-  one in flight). Healthy, or not known within the wait: drain and exit as always.
+- SIGTERM or SIGHUP: rank 0 first looks at the group, for at least `DECIDE_S` seconds
+  while it goes on serving, and while a round is in flight until its watchdog has had
+  its say (a rank that died silently is known only when the round's bound runs out,
+  `--distributed-timeout` plus the step's). The group broke when the runner reports it
+  lost (a peer's socket closed, or the watchdog gave up on a silent rank); it is healthy
+  once two rounds complete after the signal (a rank that was already gone can finish at
+  most the one in flight). Healthy, or not known within the wait: drain and exit as
+  always.
   Broke: rank 0 stays up ("lingers"), answering 503s that say why, with /health and
   /v1/models answering; it says on its output, once, which file its log goes to, and
   moves its stdout and stderr there (os.dup2), so that no write can block on a launcher
@@ -31,6 +34,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
@@ -47,7 +51,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DECIDE_S = 3.0  # after a SIGTERM, how long rank 0 waits to hear whether the group broke
+DECIDE_S = 3.0  # after a SIGTERM, how long rank 0 waits at least to hear whether the group broke
+WATCH_SLACK_S = 0.5  # past a round's watchdog deadline: the watchdog looks every 0.1 s
 _POLL_S = 0.05
 
 
@@ -107,12 +112,17 @@ class GroupServer(DrainingServer):
             self._linger(sig, why)
 
     async def _lost_within(self, seconds: float) -> str | None:
-        """Why the group was lost, if the runner says so within `seconds`; None once
-        two rounds complete (every rank answered after the signal) or time is up."""
-        runner, loop = self.runner, asyncio.get_running_loop()
-        start, deadline = runner.channel.rounds, loop.time() + seconds
+        """Why the group was lost, if the runner says so within `seconds`, or before the
+        watchdog's deadline for the round in flight (and its slack) passes; None once two
+        rounds complete (every rank answered after the signal) or time is up. Bounded:
+        each deadline is a round's, and two rounds end the wait."""
+        runner = self.runner
+        start, deadline = runner.channel.rounds, time.monotonic() + seconds
         while runner.lost is None and runner.channel.rounds < start + 2:
-            if loop.time() >= deadline:
+            watched = runner.watched_until
+            if watched is not None:
+                deadline = max(deadline, watched + WATCH_SLACK_S)
+            if time.monotonic() >= deadline:
                 break
             await asyncio.sleep(_POLL_S)
         return runner.lost
