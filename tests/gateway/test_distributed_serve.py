@@ -606,6 +606,7 @@ class DecidingRunner:
 
     def __init__(self, watched: float | None, lose_at: int = 0, round_every: int = 0) -> None:
         self.channel = type("Counted", (), {"rounds": 0})()
+        self.timeout = 600.0
         self.lost: str | None = None
         self._watched, self._lose_at, self._round_every = watched, lose_at, round_every
         self.polls = 0
@@ -644,3 +645,7 @@ def test_a_sigterm_decision_ends_when_the_watchdog_passed_or_two_rounds_complete
     # a far deadline, but every rank answered two rounds after the signal: healthy
     runner = DecidingRunner(time.monotonic() + 600, round_every=2)
     assert _decide(runner, 0.0) is None and runner.channel.rounds == 2
+    # a round bounded by minutes (a prefill's): the wait stops at the group's timeout
+    runner = DecidingRunner(time.monotonic() + 600)
+    runner.timeout = 0.0
+    assert _decide(runner, 0.0) is None and runner.lost is None

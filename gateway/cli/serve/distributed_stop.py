@@ -114,14 +114,16 @@ class GroupServer(DrainingServer):
     async def _lost_within(self, seconds: float) -> str | None:
         """Why the group was lost, if the runner says so within `seconds`, or before the
         watchdog's deadline for the round in flight (and its slack) passes; None once two
-        rounds complete (every rank answered after the signal) or time is up. Bounded:
-        each deadline is a round's, and two rounds end the wait."""
+        rounds complete (every rank answered after the signal) or time is up. At most
+        `seconds` plus the group's `--distributed-timeout`: a prefill's round may be
+        bounded by minutes, and a person's SIGTERM must not wait that long."""
         runner = self.runner
-        start, deadline = runner.channel.rounds, time.monotonic() + seconds
+        start, now = runner.channel.rounds, time.monotonic()
+        deadline, cap = now + seconds, now + seconds + runner.timeout + WATCH_SLACK_S
         while runner.lost is None and runner.channel.rounds < start + 2:
             watched = runner.watched_until
             if watched is not None:
-                deadline = max(deadline, watched + WATCH_SLACK_S)
+                deadline = min(cap, max(deadline, watched + WATCH_SLACK_S))
             if time.monotonic() >= deadline:
                 break
             await asyncio.sleep(_POLL_S)
