@@ -34,6 +34,11 @@
 #define INLINE_QDOT TARGET_QDOT __attribute__((always_inline)) static inline
 
 enum { QDOT_ROWS = 4, QDOT_CHUNK = 16 };
+/* how far ahead of a feature row's block its bytes are prefetched: the hardware's
+ * prefetchers stop at every 4 KB page, and a decode step's products stream weights far
+ * larger than the caches (Gemma 3 270M's 8-bit head, 178 MB: one stream 30 -> 37 tok/s on
+ * the AVX2 path; 1-8 KB ahead all measured alike) */
+enum { QDOT_AHEAD = 2048 };
 
 TARGET_QDOT static inline float scale_at(int stype, const void *p, int64_t i) {
     if (stype == 0) return ((const float *)p)[i];
@@ -197,6 +202,7 @@ INLINE_QDOT void feature_rows(const QDot *a, int bits, int mr, int64_t n, int64_
                                : scale_at(a->stype, a->biases, n * groups + g) + half * s;
         for (int r = 0; r < mr; r++) bias[r] += b * a->xsum[(m0 + r) * groups + g];
         for (int i = 0; i < per_group; i++, blk++) {
+            _mm_prefetch((const char *)row + blk * 4 * bits + QDOT_AHEAD, _MM_HINT_T0);
             __m256i w = bits == 4   ? weights4(row, blk)
                         : bits == 8 ? weights8(row, blk)
                                     : weights_any(bits, row, blk);
@@ -262,6 +268,9 @@ INLINE_QDOT void feature_rows_wide(const QDot *a, int bits, int mr, int64_t n, i
             }
             for (int j = 0; j < 8; j++) {
                 __m256i lo, hi;
+                if ((j * bits) % 16 == 0) /* a block is 4 * bits bytes: once a line */
+                    _mm_prefetch((const char *)row + (blk + j) * 4 * bits + QDOT_AHEAD,
+                                 _MM_HINT_T0);
                 weights16(bits, row, blk + j, &lo, &hi);
                 for (int r = 0; r < mr; r++) {
                     __m256i d = dot16(lo, hi, xq + (m0 + r) * depth + (blk + j) * QB);
@@ -281,6 +290,7 @@ INLINE_QDOT void feature_rows_wide(const QDot *a, int bits, int mr, int64_t n, i
         for (int r = 0; r < mr; r++) bias[r] += b * a->xsum[(m0 + r) * groups + g];
         for (int i = 0; i < per_group; i++, blk++) {
             __m256i lo, hi;
+            _mm_prefetch((const char *)row + blk * 4 * bits + QDOT_AHEAD, _MM_HINT_T0);
             weights16(bits, row, blk, &lo, &hi);
             for (int r = 0; r < mr; r++) {
                 const int64_t m = m0 + r;
