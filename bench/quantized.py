@@ -35,6 +35,12 @@ first decode; built without AMX it runs, and that is the build these numbers com
   -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON
   -DGGML_AVX_VNNI=ON" pip install --force-reinstall --no-deps llama-cpp-python
 
+A CPU with AVX2 but no AVX-512 (Zen 2/3, Intel's client parts) runs other kernels on both
+sides. An AVX-512 machine measures that pair too: llama.cpp built with -DGGML_AVX512=OFF
+-DGGML_AVX_VNNI=OFF and the AMX options off (pip install --no-cache-dir --no-binary
+llama-cpp-python --target DIR), then this script run with PYTHONPATH=DIR,
+MLX_GATEWAY_CPU_ISA=avx2 and MKL_ENABLE_INSTRUCTIONS=AVX2.
+
 Peak RSS is VmHWM, reset (/proc/self/clear_refs 5) after loading and warming up, so it
 covers the measured request's prefill and decode with the model resident.
 
