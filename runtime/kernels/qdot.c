@@ -268,7 +268,9 @@ INLINE_QDOT void feature_rows_wide(const QDot *a, int bits, int mr, int64_t n, i
             }
             for (int j = 0; j < 8; j++) {
                 __m256i lo, hi;
-                if ((j * bits) % 16 == 0) /* a block is 4 * bits bytes: once a line */
+                /* a block is 4 * bits bytes, at most half a line apart: at 2, 4 and 8
+                 * bits once a line, at the other widths every block */
+                if ((bits & (bits - 1)) != 0 || (j * bits) % 16 == 0)
                     _mm_prefetch((const char *)row + (blk + j) * 4 * bits + QDOT_AHEAD,
                                  _MM_HINT_T0);
                 weights16(bits, row, blk + j, &lo, &hi);
