@@ -40,6 +40,14 @@ enum { QDOT_ROWS = 4, QDOT_CHUNK = 16 };
  * the AVX2 path; 1-8 KB ahead all measured alike) */
 enum { QDOT_AHEAD = 2048 };
 
+/* prefetch for block `blk` of a feature row: a block is 4 * bits bytes, at most half a
+ * line, so at 2, 4 and 8 bits once a line (every 16 bytes' worth of blocks), at the other
+ * widths, whose blocks do not divide a line, every block */
+INLINE_QDOT void prefetch_block(const uint8_t *row, int bits, int64_t blk) {
+    if ((bits & (bits - 1)) != 0 || (blk * bits) % 16 == 0)
+        _mm_prefetch((const char *)row + blk * 4 * bits + QDOT_AHEAD, _MM_HINT_T0);
+}
+
 TARGET_QDOT static inline float scale_at(int stype, const void *p, int64_t i) {
     if (stype == 0) return ((const float *)p)[i];
     uint16_t h = ((const uint16_t *)p)[i];
@@ -202,7 +210,7 @@ INLINE_QDOT void feature_rows(const QDot *a, int bits, int mr, int64_t n, int64_
                                : scale_at(a->stype, a->biases, n * groups + g) + half * s;
         for (int r = 0; r < mr; r++) bias[r] += b * a->xsum[(m0 + r) * groups + g];
         for (int i = 0; i < per_group; i++, blk++) {
-            _mm_prefetch((const char *)row + blk * 4 * bits + QDOT_AHEAD, _MM_HINT_T0);
+            prefetch_block(row, bits, blk);
             __m256i w = bits == 4   ? weights4(row, blk)
                         : bits == 8 ? weights8(row, blk)
                                     : weights_any(bits, row, blk);
@@ -268,11 +276,7 @@ INLINE_QDOT void feature_rows_wide(const QDot *a, int bits, int mr, int64_t n, i
             }
             for (int j = 0; j < 8; j++) {
                 __m256i lo, hi;
-                /* a block is 4 * bits bytes, at most half a line apart: at 2, 4 and 8
-                 * bits once a line, at the other widths every block */
-                if ((bits & (bits - 1)) != 0 || (j * bits) % 16 == 0)
-                    _mm_prefetch((const char *)row + (blk + j) * 4 * bits + QDOT_AHEAD,
-                                 _MM_HINT_T0);
+                prefetch_block(row, bits, blk + j);
                 weights16(bits, row, blk + j, &lo, &hi);
                 for (int r = 0; r < mr; r++) {
                     __m256i d = dot16(lo, hi, xq + (m0 + r) * depth + (blk + j) * QB);
@@ -292,7 +296,7 @@ INLINE_QDOT void feature_rows_wide(const QDot *a, int bits, int mr, int64_t n, i
         for (int r = 0; r < mr; r++) bias[r] += b * a->xsum[(m0 + r) * groups + g];
         for (int i = 0; i < per_group; i++, blk++) {
             __m256i lo, hi;
-            _mm_prefetch((const char *)row + blk * 4 * bits + QDOT_AHEAD, _MM_HINT_T0);
+            prefetch_block(row, bits, blk);
             weights16(bits, row, blk, &lo, &hi);
             for (int r = 0; r < mr; r++) {
                 const int64_t m = m0 + r;
