@@ -1,8 +1,8 @@
 """Quantized weights in 16-feature lanes: the CPU's decode layout for 4- to 8-bit weights.
 
 runtime/kernels/qlanes.c multiplies a vector of 16 features at a time (one output per
-lane), which needs each 32-byte chunk of a weight to hold 16 features' int16 pairs once
-widened. `to_lanes` permutes mx.quantize's bytes into that order at load
+lane; qlanes2.c, on AVX2, two vectors of 8), which needs each 32-byte chunk of a weight
+to hold 16 features' int16 pairs once widened. `to_lanes` permutes mx.quantize's bytes into that order at load
 (runtime/models/linear.py `use_lanes`); nothing is re-rounded, and `to_standard` gives
 the same bytes back. The arrays say which layout they are in by their rank:
 

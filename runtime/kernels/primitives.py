@@ -166,7 +166,7 @@ def active() -> ModuleType | None:
 
 def lanes_ready() -> bool:
     """Whether 4- and 8-bit weights should be kept in 16-feature lanes
-    (runtime/kernels/lanes.py): the primitives run here, the CPU has the lanes kernel,
+    (runtime/kernels/lanes.py): the primitives run here, the CPU has a lanes kernel,
     and decode rows are rounded to int16 (the kernel's activations)."""
     ext = active()
     return (

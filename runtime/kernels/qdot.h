@@ -30,11 +30,36 @@ __attribute__((visibility("hidden"))) int mlxgw_qdot512_usable(void);
 __attribute__((visibility("hidden"))) void mlxgw_qdot512_features(const QDot *a, int64_t n0,
                                                                   int64_t n1);
 
-/* 1 where the lanes kernel may run (the AVX-512 VNNI of qdot512.c) */
+/* 1 where a lanes kernel may run: qlanes.c's (AVX-512 VNNI, where qdot512.c runs) or
+ * qlanes2.c's (AVX2, FMA and F16C; not when MLX_GATEWAY_CPU_ISA says "generic") */
 __attribute__((visibility("hidden"))) int mlxgw_qlanes_usable(void);
 /* out[m, n] for every row m and n0 <= n < n1 (multiples of 16) of an int16-x product whose
  * weight is in lanes, 4 or 8 bits */
 __attribute__((visibility("hidden"))) void mlxgw_qlanes_features(const QDot *a, int64_t n0,
                                                                  int64_t n1);
+
+/* -- the lanes layout's blocks (qlanes.c describes them) -------------------------------- */
+
+/* bytes of one block of 32 weights of 16 features: 8 chunks of low halves (4 bits each)
+ * and, at 5 and 6 bits, a plane of 16 32-bit masks per further bit; 8 bits: 16 chunks */
+static inline int64_t strip_block_bytes(int bits) { return 64 * (int64_t)bits; }
+enum { NIBBLE_BYTES = 256, PLANE_BYTES = 64 };
+
+/* dst[k * ld + n - n0] = weight (n, k) for the features n0 .. n1 (whole strips): the
+ * transposed tile a prompt-sized product dequantizes for the BLAS */
+typedef struct {
+    const uint8_t *w;
+    const void *scales, *biases;
+    float *dst;
+    int64_t n0, n1, depth, groups, ld, next;
+    int32_t bits, group_size, stype, sym;
+} LanesDequant;
+
+/* qlanes2.c, the AVX2 lanes kernel: mlxgw_qlanes_features and the strip workers of
+ * mlxgw_lanes_dequantize_t where qlanes.c's AVX-512 ones do not run */
+__attribute__((visibility("hidden"))) int mlxgw_qlanes2_usable(void);
+__attribute__((visibility("hidden"))) void mlxgw_qlanes2_features(const QDot *a, int64_t n0,
+                                                                  int64_t n1);
+__attribute__((visibility("hidden"))) void *mlxgw_qlanes2_dequant(void *lanes_dequant);
 
 #endif

@@ -1,4 +1,5 @@
-/* Products with 4-, 5-, 6- and 8-bit weights kept in 16-feature lanes (AVX-512 VNNI).
+/* Products with 4-, 5-, 6- and 8-bit weights kept in 16-feature lanes (AVX-512 VNNI; the
+ * same layout and arithmetic on AVX2: qlanes2.c).
  *
  * qdot512.c puts the 32 weights of one block of one feature in a vector's lanes: every
  * row of x then pays, per block and feature, a `vpdpwssd`, a conversion to float and a
@@ -39,11 +40,6 @@
 #include "quantized.h"
 
 /* -- the layout (portable) ------------------------------------------------------------- */
-
-/* bytes of one block of 32 weights of 16 features: 8 chunks of low halves (4 bits each)
- * and, at 5 and 6 bits, a plane of 16 32-bit masks per further bit; 8 bits: 16 chunks */
-static inline int64_t strip_block_bytes(int bits) { return 64 * (int64_t)bits; }
-enum { NIBBLE_BYTES = 256, PLANE_BYTES = 64 };
 
 /* weight k (0..31) of feature j (0..15) of a strip block */
 static inline unsigned lanes_value(const uint8_t *in, int bits, int j, int k) {
@@ -323,15 +319,6 @@ INLINE_LANES void strips(const QDot *a, int bits, int64_t s0, int64_t s1) {
     }
 }
 
-/* dst[k * ld + n - n0] = weight (n, k) for the features n0 .. n1 (whole strips) */
-typedef struct {
-    const uint8_t *w;
-    const void *scales, *biases;
-    float *dst;
-    int64_t n0, n1, depth, groups, ld, next;
-    int32_t bits, group_size, stype, sym;
-} LanesDequant;
-
 INLINE_LANES void dequant_strip(const LanesDequant *a, int bits, int64_t s) {
     const int64_t blocks = a->depth / QB;
     const int per_group = a->group_size / QB;
@@ -397,7 +384,8 @@ EXPORT int mlxgw_lanes_dequantize_t(const uint32_t *w, const void *scales, const
     LanesDequant a = {(const uint8_t *)w, scales, biases, dst, n0, n1, in_features,
                       in_features / group_size, n1 - n0, 0, bits, group_size, st,
                       (stype & MLXGW_SYMMETRIC) != 0};
-    void *(*fn)(void *) = bits == 4 ? dequant_lanes_4 : bits == 5 ? dequant_lanes_5
+    void *(*fn)(void *) = !mlxgw_qdot512_usable() ? mlxgw_qlanes2_dequant
+                        : bits == 4 ? dequant_lanes_4 : bits == 5 ? dequant_lanes_5
                         : bits == 6 ? dequant_lanes_6 : dequant_lanes_8;
     if (threads < 1) threads = 1;
     if (threads > (n1 - n0) / 16) threads = (int32_t)((n1 - n0) / 16);
@@ -410,11 +398,15 @@ TARGET_LANES static void strips5(const QDot *a, int64_t s0, int64_t s1) { strips
 TARGET_LANES static void strips6(const QDot *a, int64_t s0, int64_t s1) { strips(a, 6, s0, s1); }
 TARGET_LANES static void strips8(const QDot *a, int64_t s0, int64_t s1) { strips(a, 8, s0, s1); }
 
-int mlxgw_qlanes_usable(void) { return mlxgw_qdot512_usable(); }
+int mlxgw_qlanes_usable(void) { return mlxgw_qdot512_usable() || mlxgw_qlanes2_usable(); }
 
 EXPORT int mlxgw_lanes_usable(void) { return mlxgw_qlanes_usable(); }
 
 void mlxgw_qlanes_features(const QDot *a, int64_t n0, int64_t n1) {
+    if (!mlxgw_qdot512_usable()) {
+        mlxgw_qlanes2_features(a, n0, n1);
+        return;
+    }
     switch (a->bits) {
     case 4: strips4(a, n0 / 16, n1 / 16); break;
     case 5: strips5(a, n0 / 16, n1 / 16); break;

@@ -61,8 +61,9 @@ typedef struct {
     const void *scales, *biases;
     int64_t base, end;
 } MlxgwStandard;
-/* 1 where int16 products of weights in lanes take their own kernel here (AVX-512 VNNI,
- * MLX_GATEWAY_CPU_ISA not "avx2"); elsewhere they read a standard copy, made per call */
+/* 1 where int16 products of weights in lanes take their own kernel here (AVX-512 VNNI or
+ * AVX2, MLX_GATEWAY_CPU_ISA not "generic"); elsewhere they read a standard copy, made per
+ * call */
 int mlxgw_lanes_usable(void);
 /* dst[k * (n1 - n0) + n - n0] (the tile transposed: [K, n1 - n0]) = weight (n, k) as
  * float32, for a weight in lanes, n0 and n1 multiples of 16; 1 where it does not run

@@ -218,8 +218,8 @@ def drop_symmetric_biases(model: object) -> int:
 
 def use_lanes(model: object) -> int:
     """Keep the 4-, 5-, 6- and 8-bit linear layers' weights in 16-feature lanes on a CPU whose
-    decode kernel multiplies 16 features per vector (runtime/kernels/lanes.py,
-    qlanes.c): the number of layers moved. The same bytes, permuted; every CPU primitive
+    decode kernel multiplies 16 features per block (runtime/kernels/lanes.py; qlanes.c
+    on AVX-512 VNNI, qlanes2.c on AVX2): the number of layers moved. The same bytes, permuted; every CPU primitive
     reads either layout, and MLX's ops get the standard one back. A 4- or 8-bit
     embedding moves too (its lookup gathers rows from their strips; a tied output head
     is its biggest product). Nothing moves where `lanes_ready` is false, nor a layer

@@ -26,9 +26,9 @@ NB_MODULE(_mlx_ext, m) {
   m.def(
       "lanes_usable",
       []() { return mlxgw_lanes_usable() != 0; },
-      "whether this CPU runs the 16-feature lanes kernel (AVX-512 VNNI) and the "
-      "environment does not pin another ISA: a 4- or 8-bit weight is worth keeping in "
-      "lanes (runtime/kernels/lanes.py)");
+      "whether this CPU runs a 16-feature lanes kernel (AVX-512 VNNI or AVX2) and the "
+      "environment does not ask for the portable code: a 4- to 8-bit weight is worth "
+      "keeping in lanes (runtime/kernels/lanes.py)");
   m.def(
       "lanes_from_standard",
       [](nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu> src,

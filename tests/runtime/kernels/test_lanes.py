@@ -1,12 +1,13 @@
 """Weights in 16-feature lanes (runtime/kernels/lanes.py, qlanes.c).
 
-Oracles: the layout gives back the bytes it was made from; where the lanes kernel does
-not run (AVX2, the portable code, int8 and float32 activations, prompt-sized tiles
-through the BLAS, dequantization, MLX's ops) a weight in lanes gives the bits of the same
-weight in the standard layout, since those paths read a standard copy of it or the
-same values; where it runs (AVX-512 VNNI, int16 rows) the result stays within the bound
-that rounding x to int16 implies, and a row's result does not depend on the rows
-beside it.
+Oracles: the layout gives back the bytes it was made from; where the lanes kernels do
+not run (the portable code, int8 and float32 activations, prompt-sized tiles through the
+BLAS, dequantization, MLX's ops) a weight in lanes gives the bits of the same weight in
+the standard layout, since those paths read a standard copy of it or the same values;
+where they run (int16 rows: qlanes.c on AVX-512 VNNI, qlanes2.c on AVX2, which
+MLX_GATEWAY_CPU_ISA=avx2 picks on a CPU that has both) the result stays within the bound
+that rounding x to int16 implies, a row's result does not depend on the rows beside it,
+and the two kernels give the same bits.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from runtime.models.linear import (
     fused_products,
     use_lanes,
 )
+from tests.runtime.kernels.test_primitives import _has_avx512
 
 BITS = (4, 5, 6, 8)
 STYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -124,9 +126,8 @@ def test_what_does_not_fit_stays_standard() -> None:
         assert not lanes.fits(w, scales, bits, 32)
 
 
-@pytest.mark.parametrize(("isa", "activations"), [("avx2", "int16"), ("avx2", "int8"),
-                                                  ("", "int8"), ("", "float32"),
-                                                  ("generic", "int16")])  # fmt: skip
+@pytest.mark.parametrize(("isa", "activations"), [("avx2", "int8"), ("", "int8"),
+                                                  ("", "float32"), ("generic", "int16")])  # fmt: skip
 @pytest.mark.parametrize("bits", BITS)
 def test_paths_without_the_lanes_kernel_give_the_standard_bits(
     ext: Any, monkeypatch: pytest.MonkeyPatch, isa: str, activations: str, bits: int
@@ -142,18 +143,25 @@ def test_paths_without_the_lanes_kernel_give_the_standard_bits(
             np.testing.assert_array_equal(_qmatmul(x, moved, bits), _qmatmul(x, arrays, bits))
 
 
-def _lanes_kernel(ext: Any) -> None:
+# qlanes.c where the CPU has AVX-512 VNNI, else qlanes2.c; "avx2" forces the second
+LANES_ISAS = ("", "avx2")
+
+
+def _lanes_kernel(ext: Any, monkeypatch: pytest.MonkeyPatch, isa: str) -> None:
+    monkeypatch.setenv(kernels.ENV_ISA, isa)
     if not ext.lanes_usable():
-        pytest.skip("this CPU has no AVX-512 VNNI: the lanes kernel does not run")
+        pytest.skip("this CPU has no AVX2: the lanes kernels do not run")
 
 
+@pytest.mark.parametrize("isa", LANES_ISAS)
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("group_size", (32, 64, 128))
 @pytest.mark.parametrize("stype", STYPES)
 def test_the_lanes_kernel_stays_within_the_int16_rounding_bound(
-    ext: Any, bits: int, group_size: int, stype: mx.Dtype
-) -> None:
-    _lanes_kernel(ext)
+    ext: Any, monkeypatch: pytest.MonkeyPatch, isa: str, bits: int, group_size: int,
+    stype: mx.Dtype,
+) -> None:  # fmt: skip
+    _lanes_kernel(ext, monkeypatch, isa)
     for symmetric in (False, True):
         arrays = _weight(80, 384, bits, seed=bits + group_size, group_size=group_size,
                          stype=stype, symmetric=symmetric)  # fmt: skip
@@ -171,9 +179,12 @@ def test_the_lanes_kernel_stays_within_the_int16_rounding_bound(
             assert (np.abs(got - exact) <= bound + slack).all(), (symmetric, rows)
 
 
+@pytest.mark.parametrize("isa", LANES_ISAS)
 @pytest.mark.parametrize("bits", BITS)
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ext: Any, bits: int) -> None:
-    _lanes_kernel(ext)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(
+    ext: Any, monkeypatch: pytest.MonkeyPatch, isa: str, bits: int
+) -> None:
+    _lanes_kernel(ext, monkeypatch, isa)
     for symmetric in (False, True):
         moved = lanes.to_lanes(*_weight(96, 320, bits, seed=7, symmetric=symmetric), bits)
         x = _x(16, 320)
@@ -185,7 +196,38 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ext: Any, bits: int
 
 
 @pytest.mark.parametrize("bits", BITS)
-def test_prompt_tiles_and_dequantization_give_the_standard_bits(ext: Any, bits: int) -> None:
+@pytest.mark.parametrize("group_size", (32, 128))
+@pytest.mark.parametrize("stype", STYPES)
+def test_the_avx2_lanes_kernel_gives_the_avx512_bits(
+    ext: Any, monkeypatch: pytest.MonkeyPatch, bits: int, group_size: int, stype: mx.Dtype
+) -> None:
+    """qlanes2.c does qlanes.c's arithmetic in 8-lane vectors: the same int32 sums per
+    block, converted, scaled and added in the same order, so every row count (one pass of
+    up to 8 rows, the two-row path, remainders), prompt tile and dequantized weight comes
+    out bit for bit the same."""
+    if not _has_avx512():
+        pytest.skip("this CPU has no AVX-512 VNNI: only the AVX2 lanes kernel runs")
+    for symmetric in (False, True):
+        arrays = _weight(48, 384, bits, seed=bits + group_size, group_size=group_size,
+                         stype=stype, symmetric=symmetric)  # fmt: skip
+        moved = lanes.to_lanes(*arrays, bits)
+        out: dict[str, list[np.ndarray[Any, Any]]] = {}
+        for isa in LANES_ISAS:
+            monkeypatch.setenv(kernels.ENV_ISA, isa)
+            assert ext.lanes_usable()
+            out[isa] = [_qmatmul(_x(rows, 384, seed=rows), moved, bits, group_size)
+                        for rows in (*range(1, 18), 40)]  # fmt: skip
+            out[isa].append(np.array(kernels.dequantize(*moved, group_size=group_size, bits=bits)))
+        for got, want in zip(out["avx2"], out[""], strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("isa", LANES_ISAS)
+@pytest.mark.parametrize("bits", BITS)
+def test_prompt_tiles_and_dequantization_give_the_standard_bits(
+    ext: Any, monkeypatch: pytest.MonkeyPatch, isa: str, bits: int
+) -> None:
+    monkeypatch.setenv(kernels.ENV_ISA, isa)
     for symmetric in (False, True):
         arrays = _weight(208, 256, bits, seed=bits, symmetric=symmetric)
         moved = lanes.to_lanes(*arrays, bits)

@@ -24,6 +24,7 @@ SOURCES = [
             "qdot.c",
             "qdot512.c",
             "qlanes.c",
+            "qlanes2.c",
             "pool.c",
             "rows.c",
             "decode_attention.c",
