@@ -127,29 +127,41 @@ INLINE_L2 void strip_rows(const QDot *a, int bits, int mr, int64_t s, int64_t m0
             for (int l = 0; l < bits; l++) /* a block is `bits` cache lines */
                 _mm_prefetch((const char *)wb + L2_AHEAD + 64 * l, _MM_HINT_T0);
             __m256i d[L2_ROWS][2];
-            for (int r = 0; r < mr; r++) d[r][0] = d[r][1] = _mm256_setzero_si256();
 #define L2_MADD(r, h, v, xi)                                                                 \
     d[r][h] = _mm256_add_epi32(d[r][h], _mm256_madd_epi16(v, _mm256_set1_epi32(xi)))
-            if (mr <= FEW_ROWS && bits != 8) {
-                for (int c = 0; c < 8; c++) {
-                    __m256i p[4];
-                    chunk_pairs(bits, wb, c, p);
-                    for (int r = 0; r < mr; r++)
+/* half h's sums converted, scaled and added: done before the next half's start, so that
+ * only one half's sums are live */
+#define L2_FINISH(h)                                                                         \
+    for (int r = 0; r < mr; r++)                                                             \
+        acc[r][h] = _mm256_fmadd_ps(                                                         \
+            _mm256_cvtepi32_ps(d[r][h]),                                                     \
+            _mm256_mul_ps(sw[h], _mm256_set1_ps(a->xs[(m0 + r) * blocks + blk])), acc[r][h])
+            if (mr <= FEW_ROWS) {
+                for (int r = 0; r < mr; r++) d[r][0] = d[r][1] = _mm256_setzero_si256();
+                if (bits != 8) {
+                    for (int c = 0; c < 8; c++) {
+                        __m256i p[4];
+                        chunk_pairs(bits, wb, c, p);
+                        for (int r = 0; r < mr; r++)
+                            for (int h = 0; h < 2; h++) {
+                                L2_MADD(r, h, p[h], xb[r * xstride + 2 * c]);
+                                L2_MADD(r, h, p[2 + h], xb[r * xstride + 2 * c + 1]);
+                            }
+                    }
+                } else {
+                    for (int c = 0; c < 16; c++)
                         for (int h = 0; h < 2; h++) {
-                            L2_MADD(r, h, p[h], xb[r * xstride + 2 * c]);
-                            L2_MADD(r, h, p[2 + h], xb[r * xstride + 2 * c + 1]);
+                            const __m256i v = widen(wb + 32 * c + 16 * h);
+                            for (int r = 0; r < mr; r++) L2_MADD(r, h, v, xb[r * xstride + c]);
                         }
                 }
-            } else if (mr <= FEW_ROWS) {
-                for (int c = 0; c < 16; c++)
-                    for (int h = 0; h < 2; h++) {
-                        const __m256i v = widen(wb + 32 * c + 16 * h);
-                        for (int r = 0; r < mr; r++) L2_MADD(r, h, v, xb[r * xstride + c]);
-                    }
+                L2_FINISH(0);
+                L2_FINISH(1);
             } else {
                 if (bits != 8)
                     for (int c = 0; c < 8; c++) chunk_pairs(bits, wb, c, pairs[c]);
                 for (int h = 0; h < 2; h++) {
+                    for (int r = 0; r < mr; r++) d[r][h] = _mm256_setzero_si256();
                     if (bits != 8) {
                         for (int c = 0; c < 8; c++)
                             for (int r = 0; r < mr; r++) {
@@ -162,15 +174,11 @@ INLINE_L2 void strip_rows(const QDot *a, int bits, int mr, int64_t s, int64_t m0
                             for (int r = 0; r < mr; r++) L2_MADD(r, h, v, xb[r * xstride + c]);
                         }
                     }
+                    L2_FINISH(h);
                 }
             }
+#undef L2_FINISH
 #undef L2_MADD
-            for (int r = 0; r < mr; r++) {
-                const __m256 xs = _mm256_set1_ps(a->xs[(m0 + r) * blocks + blk]);
-                for (int h = 0; h < 2; h++)
-                    acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r][h]),
-                                                _mm256_mul_ps(sw[h], xs), acc[r][h]);
-            }
         }
     }
     for (int r = 0; r < mr; r++)
