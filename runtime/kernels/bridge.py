@@ -22,7 +22,8 @@ returning None.
 Environment: ``MLX_GATEWAY_CPU_ATTENTION=0`` forces MLX's own ops for all of these
 kernels (tests, comparisons); ``MLX_GATEWAY_CPU_THREADS`` sets the thread count (default:
 the CPUs this process may run on); ``MLX_GATEWAY_CPU_ISA=generic`` runs the portable
-code on x86 too (tests).
+code on x86 too (tests), and ``avx2`` or ``avxvnni`` run the kernels of a CPU with AVX2
+but no AVX-512, without or with AVX-VNNI (tests and benchmarks on a bigger CPU).
 """
 
 from __future__ import annotations

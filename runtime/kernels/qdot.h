@@ -5,6 +5,7 @@
 #define MLXGW_QDOT_H
 
 #include <stdint.h>
+#include <stdlib.h>
 
 enum { QB = 32 };
 
@@ -22,8 +23,19 @@ typedef struct {
     int64_t next;
 } QDot;
 
+/* whether MLX_GATEWAY_CPU_ISA names `isa`: tests and benchmarks run a smaller CPU's
+ * kernels with "avx2" (AVX2, FMA, F16C), "avxvnni" (those and AVX-VNNI), "generic" (the
+ * portable code) */
+static inline int mlxgw_isa_is(const char *isa) {
+    const char *set = getenv("MLX_GATEWAY_CPU_ISA");
+    if (set == NULL) return 0;
+    while (*set && *isa && (*set | 32) == (*isa | 32)) set++, isa++;
+    return *set == 0 && *isa == 0;
+}
+
 /* 1 where features n0..n1 of an int16-x product (`wide`) may run on AVX-512 (qdot512.c):
- * the CPU has AVX-512 F/BW/DQ/VL/VNNI/VBMI and MLX_GATEWAY_CPU_ISA does not say "avx2" */
+ * the CPU has AVX-512 F/BW/DQ/VL/VNNI/VBMI and MLX_GATEWAY_CPU_ISA names none of the
+ * smaller sets */
 __attribute__((visibility("hidden"))) int mlxgw_qdot512_usable(void);
 /* out[m, n] for every row m and n0 <= n < n1, as qdot.c's int16 path computes it (the
  * same integer products, summed in 16 float lanes instead of 8) */
@@ -58,6 +70,8 @@ typedef struct {
 /* qlanes2.c, the AVX2 lanes kernel: mlxgw_qlanes_features and the strip workers of
  * mlxgw_lanes_dequantize_t where qlanes.c's AVX-512 ones do not run */
 __attribute__((visibility("hidden"))) int mlxgw_qlanes2_usable(void);
+/* 1 where qlanes2.c adds with AVX-VNNI's vpdpwssd (the CPU has it, the ISA is not "avx2") */
+__attribute__((visibility("hidden"))) int mlxgw_qlanes2_vnni(void);
 __attribute__((visibility("hidden"))) void mlxgw_qlanes2_features(const QDot *a, int64_t n0,
                                                                   int64_t n1);
 __attribute__((visibility("hidden"))) void *mlxgw_qlanes2_dequant(void *lanes_dequant);

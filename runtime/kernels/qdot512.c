@@ -24,7 +24,6 @@
 #if HAVE_X86_DISPATCH
 #include <immintrin.h>
 #include <pthread.h>
-#include <strings.h>
 
 #define TARGET_512                                                                           \
     __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")))
@@ -68,8 +67,7 @@ int mlxgw_qdot512_usable(void) {
               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
               __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("f16c");
     if (!has) return 0;
-    const char *isa = getenv("MLX_GATEWAY_CPU_ISA"); /* tests compare both paths */
-    return !(isa != NULL && strcasecmp(isa, "avx2") == 0);
+    return !mlxgw_isa_is("avx2") && !mlxgw_isa_is("avxvnni"); /* tests compare the paths */
 }
 
 /* block `blk` of a feature row as 32 int16 lanes, in wide_order (qdot.c): 4 bits the even

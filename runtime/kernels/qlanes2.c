@@ -36,9 +36,25 @@ int mlxgw_qlanes2_usable(void) {
     if (has < 0)
         has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
               __builtin_cpu_supports("f16c");
-    if (!has) return 0;
-    const char *isa = getenv("MLX_GATEWAY_CPU_ISA");
-    return !(isa != NULL && strcasecmp(isa, "generic") == 0);
+    return has && !mlxgw_isa_is("generic");
+}
+
+/* AVX-VNNI (Intel since Alder Lake, AMD since Zen 5): vpdpwssd on 256-bit vectors, one
+ * instruction for AVX2's vpmaddwd and vpaddd; MLX_GATEWAY_CPU_ISA=avx2 leaves it out */
+#if defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11
+#define HAVE_AVX_VNNI 1
+#else
+#define HAVE_AVX_VNNI 0
+#endif
+
+int mlxgw_qlanes2_vnni(void) {
+#if HAVE_AVX_VNNI
+    static int has = -1;
+    if (has < 0) has = __builtin_cpu_supports("avxvnni");
+    return has && mlxgw_qlanes2_usable() && !mlxgw_isa_is("avx2");
+#else
+    return 0;
+#endif
 }
 
 /* the scales (or biases) of features 8h .. 8h + 7 of group g of strip s */
@@ -95,125 +111,47 @@ INLINE_L2 void chunk_pairs(int bits, const uint8_t *wb, int c, __m256i p[4]) {
     p[3] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));
 }
 
-/* rows m0 .. m0 + mr of strip s. Up to FEW_ROWS rows take each chunk's pairs in registers
- * and both halves at once (sharing x's broadcasts); more rows unpack a block into `pairs`
- * once and take a half at a time (8 rows' sums and two weight vectors in 16 registers). */
+/* Up to FEW_ROWS rows take each chunk's pairs in registers and both halves at once
+ * (sharing x's broadcasts); more rows unpack a block into `pairs` once and take a half at
+ * a time (8 rows' sums and two weight vectors in 16 registers). */
 enum { FEW_ROWS = 2 };
 
-INLINE_L2 void strip_rows(const QDot *a, int bits, int mr, int64_t s, int64_t m0) {
-    const int64_t depth = a->depth, blocks = depth / QB, groups = a->groups;
-    const int per_group = a->group_size / QB;
-    const uint8_t *w = (const uint8_t *)a->w + s * blocks * strip_block_bytes(bits);
-    const int32_t *xp = (const int32_t *)a->xq + m0 * (depth / 2); /* x as int16 pairs */
-    const int64_t xstride = depth / 2;
-    __m256 acc[L2_ROWS][2];
-    __m256i pairs[8][4];
-    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    int64_t blk = 0;
-    for (int64_t g = 0; g < groups; g++) {
-        __m256 sw[2], bw[2];
-        for (int h = 0; h < 2; h++) {
-            sw[h] = group8(a->stype, a->scales, s, groups, g, h);
-            bw[h] = a->sym ? _mm256_mul_ps(sw[h], _mm256_set1_ps(-(float)(1 << (bits - 1))))
-                           : group8(a->stype, a->biases, s, groups, g, h);
-        }
-        for (int r = 0; r < mr; r++) {
-            const __m256 xsum = _mm256_set1_ps(a->xsum[(m0 + r) * groups + g]);
-            for (int h = 0; h < 2; h++) acc[r][h] = _mm256_fmadd_ps(bw[h], xsum, acc[r][h]);
-        }
-        for (int i = 0; i < per_group; i++, blk++) {
-            const uint8_t *wb = w + blk * strip_block_bytes(bits);
-            const int32_t *xb = xp + blk * (QB / 2);
-            for (int l = 0; l < bits; l++) /* a block is `bits` cache lines */
-                _mm_prefetch((const char *)wb + L2_AHEAD + 64 * l, _MM_HINT_T0);
-            __m256i d[L2_ROWS][2];
-#define L2_MADD(r, h, v, xi)                                                                 \
-    d[r][h] = _mm256_add_epi32(d[r][h], _mm256_madd_epi16(v, _mm256_set1_epi32(xi)))
-/* half h's sums converted, scaled and added: done before the next half's start, so that
- * only one half's sums are live */
-#define L2_FINISH(h)                                                                         \
-    for (int r = 0; r < mr; r++)                                                             \
-        acc[r][h] = _mm256_fmadd_ps(                                                         \
-            _mm256_cvtepi32_ps(d[r][h]),                                                     \
-            _mm256_mul_ps(sw[h], _mm256_set1_ps(a->xs[(m0 + r) * blocks + blk])), acc[r][h])
-            if (mr <= FEW_ROWS) {
-                for (int r = 0; r < mr; r++) d[r][0] = d[r][1] = _mm256_setzero_si256();
-                if (bits != 8) {
-                    for (int c = 0; c < 8; c++) {
-                        __m256i p[4];
-                        chunk_pairs(bits, wb, c, p);
-                        for (int r = 0; r < mr; r++)
-                            for (int h = 0; h < 2; h++) {
-                                L2_MADD(r, h, p[h], xb[r * xstride + 2 * c]);
-                                L2_MADD(r, h, p[2 + h], xb[r * xstride + 2 * c + 1]);
-                            }
-                    }
-                } else {
-                    for (int c = 0; c < 16; c++)
-                        for (int h = 0; h < 2; h++) {
-                            const __m256i v = widen(wb + 32 * c + 16 * h);
-                            for (int r = 0; r < mr; r++) L2_MADD(r, h, v, xb[r * xstride + c]);
-                        }
-                }
-                L2_FINISH(0);
-                L2_FINISH(1);
-            } else {
-                if (bits != 8)
-                    for (int c = 0; c < 8; c++) chunk_pairs(bits, wb, c, pairs[c]);
-                for (int h = 0; h < 2; h++) {
-                    for (int r = 0; r < mr; r++) d[r][h] = _mm256_setzero_si256();
-                    if (bits != 8) {
-                        for (int c = 0; c < 8; c++)
-                            for (int r = 0; r < mr; r++) {
-                                L2_MADD(r, h, pairs[c][h], xb[r * xstride + 2 * c]);
-                                L2_MADD(r, h, pairs[c][2 + h], xb[r * xstride + 2 * c + 1]);
-                            }
-                    } else {
-                        for (int c = 0; c < 16; c++) {
-                            const __m256i v = widen(wb + 32 * c + 16 * h);
-                            for (int r = 0; r < mr; r++) L2_MADD(r, h, v, xb[r * xstride + c]);
-                        }
-                    }
-                    L2_FINISH(h);
-                }
-            }
-#undef L2_FINISH
+#define L2_TARGET TARGET_L2
+#define L2_NAME(n) n##_avx2
+#define L2_MADD(d, v, x) _mm256_add_epi32(d, _mm256_madd_epi16(v, x))
+#include "qlanes2_rows.h"
+#undef L2_TARGET
+#undef L2_NAME
 #undef L2_MADD
-        }
-    }
-    for (int r = 0; r < mr; r++)
-        for (int h = 0; h < 2; h++)
-            _mm256_storeu_ps(a->out + (m0 + r) * a->cols + s * 16 + 8 * h, acc[r][h]);
-}
 
-INLINE_L2 void strips(const QDot *a, int bits, int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; s++) {
-        int64_t m = 0;
-        for (; m + L2_ROWS <= a->rows; m += L2_ROWS) strip_rows(a, bits, L2_ROWS, s, m);
-        switch (a->rows - m) {
-        case 7: strip_rows(a, bits, 7, s, m); break;
-        case 6: strip_rows(a, bits, 6, s, m); break;
-        case 5: strip_rows(a, bits, 5, s, m); break;
-        case 4: strip_rows(a, bits, 4, s, m); break;
-        case 3: strip_rows(a, bits, 3, s, m); break;
-        case 2: strip_rows(a, bits, 2, s, m); break;
-        case 1: strip_rows(a, bits, 1, s, m); break;
-        default: break;
-        }
-    }
-}
-
-TARGET_L2 static void strips4(const QDot *a, int64_t s0, int64_t s1) { strips(a, 4, s0, s1); }
-TARGET_L2 static void strips5(const QDot *a, int64_t s0, int64_t s1) { strips(a, 5, s0, s1); }
-TARGET_L2 static void strips6(const QDot *a, int64_t s0, int64_t s1) { strips(a, 6, s0, s1); }
-TARGET_L2 static void strips8(const QDot *a, int64_t s0, int64_t s1) { strips(a, 8, s0, s1); }
+#if HAVE_AVX_VNNI
+#define L2_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define L2_NAME(n) n##_vnni
+#define L2_MADD(d, v, x) _mm256_dpwssd_avx_epi32(d, v, x)
+#include "qlanes2_rows.h"
+#undef L2_TARGET
+#undef L2_NAME
+#undef L2_MADD
+#endif
 
 void mlxgw_qlanes2_features(const QDot *a, int64_t n0, int64_t n1) {
+    const int64_t s0 = n0 / 16, s1 = n1 / 16;
+#if HAVE_AVX_VNNI
+    if (mlxgw_qlanes2_vnni()) {
+        switch (a->bits) {
+        case 4: strips4_vnni(a, s0, s1); break;
+        case 5: strips5_vnni(a, s0, s1); break;
+        case 6: strips6_vnni(a, s0, s1); break;
+        default: strips8_vnni(a, s0, s1); break;
+        }
+        return;
+    }
+#endif
     switch (a->bits) {
-    case 4: strips4(a, n0 / 16, n1 / 16); break;
-    case 5: strips5(a, n0 / 16, n1 / 16); break;
-    case 6: strips6(a, n0 / 16, n1 / 16); break;
-    default: strips8(a, n0 / 16, n1 / 16); break;
+    case 4: strips4_avx2(a, s0, s1); break;
+    case 5: strips5_avx2(a, s0, s1); break;
+    case 6: strips6_avx2(a, s0, s1); break;
+    default: strips8_avx2(a, s0, s1); break;
     }
 }
 
@@ -287,6 +225,8 @@ void *mlxgw_qlanes2_dequant(void *arg) {
 #else
 
 int mlxgw_qlanes2_usable(void) { return 0; }
+
+int mlxgw_qlanes2_vnni(void) { return 0; }
 
 void mlxgw_qlanes2_features(const QDot *a, int64_t n0, int64_t n1) {
     (void)a, (void)n0, (void)n1;

@@ -28,7 +28,7 @@ from runtime.models.linear import (
     fused_products,
     use_lanes,
 )
-from tests.runtime.kernels.test_primitives import _has_avx512
+from tests.runtime.kernels.test_primitives import _cpu_flags, _has_avx512
 
 BITS = (4, 5, 6, 8)
 STYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -143,8 +143,9 @@ def test_paths_without_the_lanes_kernel_give_the_standard_bits(
             np.testing.assert_array_equal(_qmatmul(x, moved, bits), _qmatmul(x, arrays, bits))
 
 
-# qlanes.c where the CPU has AVX-512 VNNI, else qlanes2.c; "avx2" forces the second
-LANES_ISAS = ("", "avx2")
+# qlanes.c where the CPU has AVX-512 VNNI, else qlanes2.c (with AVX-VNNI where the CPU has
+# it); "avxvnni" and "avx2" force the second, with and without AVX-VNNI
+LANES_ISAS = ("", "avx2", "avxvnni")
 
 
 def _lanes_kernel(ext: Any, monkeypatch: pytest.MonkeyPatch, isa: str) -> None:
@@ -198,15 +199,15 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("group_size", (32, 128))
 @pytest.mark.parametrize("stype", STYPES)
-def test_the_avx2_lanes_kernel_gives_the_avx512_bits(
+def test_the_avx2_lanes_kernels_give_the_avx512_bits(
     ext: Any, monkeypatch: pytest.MonkeyPatch, bits: int, group_size: int, stype: mx.Dtype
 ) -> None:
-    """qlanes2.c does qlanes.c's arithmetic in 8-lane vectors: the same int32 sums per
-    block, converted, scaled and added in the same order, so every row count (one pass of
-    up to 8 rows, the two-row path, remainders), prompt tile and dequantized weight comes
-    out bit for bit the same."""
-    if not _has_avx512():
-        pytest.skip("this CPU has no AVX-512 VNNI: only the AVX2 lanes kernel runs")
+    """qlanes2.c does qlanes.c's arithmetic in 8-lane vectors, with or without AVX-VNNI:
+    the same int32 sums per block, converted, scaled and added in the same order, so every
+    row count (one pass of up to 8 rows, the two-row path, remainders), prompt tile and
+    dequantized weight comes out bit for bit the same on each kernel this CPU has."""
+    if not _has_avx512() and "avx_vnni" not in _cpu_flags():
+        pytest.skip("this CPU has one lanes kernel (AVX2): nothing to compare it with")
     for symmetric in (False, True):
         arrays = _weight(48, 384, bits, seed=bits + group_size, group_size=group_size,
                          stype=stype, symmetric=symmetric)  # fmt: skip
@@ -218,8 +219,9 @@ def test_the_avx2_lanes_kernel_gives_the_avx512_bits(
             out[isa] = [_qmatmul(_x(rows, 384, seed=rows), moved, bits, group_size)
                         for rows in (*range(1, 18), 40)]  # fmt: skip
             out[isa].append(np.array(kernels.dequantize(*moved, group_size=group_size, bits=bits)))
-        for got, want in zip(out["avx2"], out[""], strict=True):
-            np.testing.assert_array_equal(got, want)
+        for isa in LANES_ISAS[1:]:
+            for got, want in zip(out[isa], out[""], strict=True):
+                np.testing.assert_array_equal(got, want, err_msg=isa)
 
 
 @pytest.mark.parametrize("isa", LANES_ISAS)

@@ -101,15 +101,19 @@ def _rounding_bound(x: np.ndarray[Any, Any], dense: np.ndarray[Any, Any], top: i
     return blocks @ np.abs(dense).reshape(dense.shape[0], depth // 32, 32).sum(axis=2).T
 
 
-def _has_avx512() -> bool:
-    """Whether qdot512.c runs here (the flags it checks, as the kernel reads them)."""
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux names them (none where /proc/cpuinfo says none)."""
     try:
         with open("/proc/cpuinfo") as info:
-            flags = info.read().split("flags", 2)[1].split("\n")[0].split()
+            return set(info.read().split("flags", 2)[1].split("\n")[0].split())
     except (OSError, IndexError):
-        return False
+        return set()
+
+
+def _has_avx512() -> bool:
+    """Whether qdot512.c runs here (the flags it checks, as the kernel reads them)."""
     need = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512vbmi")
-    return all(f in flags for f in need)
+    return all(f in _cpu_flags() for f in need)
 
 
 # int16 rows run on AVX-512 where the CPU has it (qdot512.c), else AVX2 (qdot.c); "avx2"
