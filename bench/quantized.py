@@ -39,7 +39,8 @@ A CPU with AVX2 but no AVX-512 (Zen 2/3, Intel's client parts) runs other kernel
 sides. An AVX-512 machine measures that pair too: llama.cpp built with -DGGML_AVX512=OFF
 -DGGML_AVX_VNNI=OFF and the AMX options off (pip install --no-cache-dir --no-binary
 llama-cpp-python --target DIR), then this script run with PYTHONPATH=DIR,
-MLX_GATEWAY_CPU_ISA=avx2 and MKL_ENABLE_INSTRUCTIONS=AVX2.
+MLX_GATEWAY_CPU_ISA=avx2 and MKL_ENABLE_INSTRUCTIONS=AVX2. Intel's client parts since Alder
+Lake add AVX-VNNI: the same with -DGGML_AVX_VNNI=ON and MLX_GATEWAY_CPU_ISA=avxvnni.
 
 Peak RSS is VmHWM, reset (/proc/self/clear_refs 5) after loading and warming up, so it
 covers the measured request's prefill and decode with the model resident.
