@@ -495,7 +495,8 @@ EXPORT int mlxgw_qdot_many(const float *x, int64_t rows, int64_t in_features,
     int64_t first[MAX_PARTS + 1], chunk[MAX_PARTS];
     void *owned[MAX_PARTS][4] = {{0}};
     MlxgwQProj std_projs[MAX_PARTS]; /* lanes weights the lanes kernel does not take here */
-    const int lanes_ok = wide && mlxgw_qlanes_usable();
+    const int lanes_kind = wide ? mlxgw_qlanes_kind() : LANES_NONE;
+    const int lanes_ok = lanes_kind != LANES_NONE;
     int status = 0;
     first[0] = 0;
     for (int32_t p = 0; p < count; p++) {
@@ -545,7 +546,7 @@ EXPORT int mlxgw_qdot_many(const float *x, int64_t rows, int64_t in_features,
         parts[p] = (QDot){xq, xs, xsum, pr->w, pr->scales, pr->biases, pr->out, rows,
                           in_features, pr->cols, groups, pr->bits, pr->group_size,
                           pr->stype & ~(MLXGW_SYMMETRIC | MLXGW_LANES), wide,
-                          (pr->stype & MLXGW_SYMMETRIC) != 0, use_lanes, 0};
+                          (pr->stype & MLXGW_SYMMETRIC) != 0, use_lanes ? lanes_kind : 0, 0};
         bias[p] = pr->bias;
         chunk[p] = span_items(pr->cols, threads, QDOT_CHUNK);
         first[p + 1] = first[p] + (pr->cols + chunk[p] - 1) / chunk[p];

@@ -19,7 +19,8 @@ typedef struct {
     int64_t rows, depth, cols, groups;
     int32_t bits, group_size, stype, wide; /* wide: x as int16 */
     int32_t sym; /* no biases: a group's bias is -2^(bits - 1) times its scale */
-    int32_t lanes; /* w, scales and biases in 16-feature lanes (qlanes.c), x natural */
+    int32_t lanes; /* w, scales and biases in 16-feature lanes, x natural: the kernel that
+                    * multiplies them (a LANES_* other than LANES_NONE); 0 otherwise */
     int64_t next;
 } QDot;
 
@@ -41,6 +42,11 @@ __attribute__((visibility("hidden"))) int mlxgw_qdot512_usable(void);
  * same integer products, summed in 16 float lanes instead of 8) */
 __attribute__((visibility("hidden"))) void mlxgw_qdot512_features(const QDot *a, int64_t n0,
                                                                   int64_t n1);
+
+/* The lanes kernels, chosen once per call (the environment is read each time: tests set
+ * MLX_GATEWAY_CPU_ISA as they go) */
+enum { LANES_NONE = 0, LANES_512 = 1, LANES_AVX2 = 2, LANES_VNNI = 3 };
+__attribute__((visibility("hidden"))) int mlxgw_qlanes_kind(void);
 
 /* 1 where a lanes kernel may run: qlanes.c's (AVX-512 VNNI, where qdot512.c runs) or
  * qlanes2.c's (AVX2, FMA and F16C; not when MLX_GATEWAY_CPU_ISA says "generic") */

@@ -377,14 +377,15 @@ EXPORT int mlxgw_lanes_dequantize_t(const uint32_t *w, const void *scales, const
                                     int32_t bits, int32_t group_size, int32_t stype,
                                     int32_t threads, int32_t generic) {
     const int32_t st = stype & ~(MLXGW_SYMMETRIC | MLXGW_LANES);
-    if (generic || !mlxgw_qlanes_usable() || !(stype & MLXGW_LANES) || bits < 4 ||
+    const int kind = mlxgw_qlanes_kind();
+    if (generic || kind == LANES_NONE || !(stype & MLXGW_LANES) || bits < 4 ||
         bits == 7 || bits > 8 || n0 % 16 || n1 % 16 || n0 >= n1 || group_size % QB ||
         in_features % group_size || st > 2)
         return 1;
     LanesDequant a = {(const uint8_t *)w, scales, biases, dst, n0, n1, in_features,
                       in_features / group_size, n1 - n0, 0, bits, group_size, st,
                       (stype & MLXGW_SYMMETRIC) != 0};
-    void *(*fn)(void *) = !mlxgw_qdot512_usable() ? mlxgw_qlanes2_dequant
+    void *(*fn)(void *) = kind != LANES_512 ? mlxgw_qlanes2_dequant
                         : bits == 4 ? dequant_lanes_4 : bits == 5 ? dequant_lanes_5
                         : bits == 6 ? dequant_lanes_6 : dequant_lanes_8;
     if (threads < 1) threads = 1;
@@ -398,12 +399,18 @@ TARGET_LANES static void strips5(const QDot *a, int64_t s0, int64_t s1) { strips
 TARGET_LANES static void strips6(const QDot *a, int64_t s0, int64_t s1) { strips(a, 6, s0, s1); }
 TARGET_LANES static void strips8(const QDot *a, int64_t s0, int64_t s1) { strips(a, 8, s0, s1); }
 
-int mlxgw_qlanes_usable(void) { return mlxgw_qdot512_usable() || mlxgw_qlanes2_usable(); }
+int mlxgw_qlanes_kind(void) {
+    if (mlxgw_qdot512_usable()) return LANES_512;
+    if (!mlxgw_qlanes2_usable()) return LANES_NONE;
+    return mlxgw_qlanes2_vnni() ? LANES_VNNI : LANES_AVX2;
+}
+
+int mlxgw_qlanes_usable(void) { return mlxgw_qlanes_kind() != LANES_NONE; }
 
 EXPORT int mlxgw_lanes_usable(void) { return mlxgw_qlanes_usable(); }
 
 void mlxgw_qlanes_features(const QDot *a, int64_t n0, int64_t n1) {
-    if (!mlxgw_qdot512_usable()) {
+    if (a->lanes != LANES_512) {
         mlxgw_qlanes2_features(a, n0, n1);
         return;
     }
@@ -416,6 +423,8 @@ void mlxgw_qlanes_features(const QDot *a, int64_t n0, int64_t n1) {
 }
 
 #else
+
+int mlxgw_qlanes_kind(void) { return LANES_NONE; }
 
 int mlxgw_qlanes_usable(void) { return 0; }
 

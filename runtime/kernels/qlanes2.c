@@ -137,7 +137,7 @@ enum { FEW_ROWS = 2 };
 void mlxgw_qlanes2_features(const QDot *a, int64_t n0, int64_t n1) {
     const int64_t s0 = n0 / 16, s1 = n1 / 16;
 #if HAVE_AVX_VNNI
-    if (mlxgw_qlanes2_vnni()) {
+    if (a->lanes == LANES_VNNI) {
         switch (a->bits) {
         case 4: strips4_vnni(a, s0, s1); break;
         case 5: strips5_vnni(a, s0, s1); break;
