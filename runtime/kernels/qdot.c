@@ -495,6 +495,7 @@ EXPORT int mlxgw_qdot_many(const float *x, int64_t rows, int64_t in_features,
     int64_t first[MAX_PARTS + 1], chunk[MAX_PARTS];
     void *owned[MAX_PARTS][4] = {{0}};
     MlxgwQProj std_projs[MAX_PARTS]; /* lanes weights the lanes kernel does not take here */
+    /* LANES_512 exactly where the AVX-512 kernels run (qdot512.c for standard weights) */
     const int lanes_kind = wide ? mlxgw_qlanes_kind() : LANES_NONE;
     const int lanes_ok = lanes_kind != LANES_NONE;
     int status = 0;
@@ -552,7 +553,7 @@ EXPORT int mlxgw_qdot_many(const float *x, int64_t rows, int64_t in_features,
         first[p + 1] = first[p] + (pr->cols + chunk[p] - 1) / chunk[p];
     }
     if (status == 0) {
-        QDotJob job = {parts, bias, first, chunk, count, wide && mlxgw_qdot512_usable(), 0};
+        QDotJob job = {parts, bias, first, chunk, count, lanes_kind == LANES_512, 0};
         if (threads < 1) threads = 1;
         if (threads > first[count]) threads = (int32_t)first[count];
         run_threads(qdot_worker, &job, threads);
