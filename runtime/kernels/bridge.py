@@ -48,6 +48,8 @@ ENV_THREADS = "MLX_GATEWAY_CPU_THREADS"
 # "generic": the portable code even where AVX2 exists; "avx2": AVX2 code even where the
 # quantized products' AVX-512 code (qdot512.c, which reads the variable itself) would run
 ENV_ISA = "MLX_GATEWAY_CPU_ISA"
+# what MLX_GATEWAY_CPU_ISA may name (unset: the best this CPU has)
+ISAS = ("generic", "avx2", "avxvnni")
 # Fewer rows than this (decode steps, short prompt tails) stay in MLX's lazy graph: the
 # kernels would force an evaluation for little gain...
 MIN_ROWS = 32
@@ -187,6 +189,18 @@ def thread_count() -> int:
     return _cores()
 
 
+def check_isa() -> bool:
+    """Whether MLX_GATEWAY_CPU_ISA is unset or names a set the kernels know; says once per
+    load, with the values, when it names another (the kernels then use the best this CPU
+    has, as if it were unset)."""
+    isa = env(ENV_ISA)
+    if not isa or isa in ISAS:
+        return True
+    log.warning("%s=%r is not one of %s; using the best this CPU has", ENV_ISA, isa,
+                ", ".join(ISAS))  # fmt: skip
+    return False
+
+
 def enabled() -> bool:
     """False when the environment forces MLX's own ops."""
     return env(ENV_SWITCH, "1") not in ("0", "false", "no", "off")
@@ -231,6 +245,7 @@ def _load(path: Path | None) -> Kernels | None:
             exc,
         )
         return None
+    check_isa()
     generic = env(ENV_ISA) == "generic"
     kernels = Kernels(lib, path, thread_count(), generic, lib.mlxgw_isa(int(generic)).decode())
     log.info("CPU kernels: %s (%s, %d threads)", path.name, kernels.isa, kernels.threads)

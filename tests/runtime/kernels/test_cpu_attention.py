@@ -226,6 +226,22 @@ def test_disabled_by_env_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     assert out.shape == q.shape
 
 
+def test_an_unknown_isa_is_named_once_at_load_and_the_kernels_still_load(
+    built: cpu_kernels.Kernels, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    for isa in ("", *cpu_kernels.ISAS, "AVX2"):
+        monkeypatch.setenv(cpu_kernels.ENV_ISA, isa)
+        assert cpu_kernels.check_isa(), isa
+    monkeypatch.setenv(cpu_kernels.ENV_ISA, "avx-512")
+    _fresh_load(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.kernels() is not None
+        assert cpu_kernels.kernels() is not None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "'avx-512'" in warnings[0] and all(isa in warnings[0] for isa in cpu_kernels.ISAS)
+
+
 def test_missing_library_warns_once_and_falls_back(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
